@@ -1,0 +1,1 @@
+"""Data side: chat templates and masks (chat), prepare/merge commands, token-budget batching."""

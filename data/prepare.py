@@ -1,0 +1,326 @@
+"""Tokenize conversations once into a `datasets` folder that the trainer reads.
+
+    python -m data.prepare --tokenizer PATH --out DIR [--max-len 4096] [--thinking on|off] [--overlong truncate|drop]
+                           [--num-proc N] INPUT...
+
+INPUT: .jsonl / .json / .parquet files (.jsonl.gz, .json.gz too) or a `datasets` save_to_disk folder; rows in the
+OpenAI `messages` or the ShareGPT `conversations` format (data/chat.py). Output: DIR (Arrow, `input_ids` int32 list,
+`loss_mask` uint8 list) and DIR/stats.json. A bad row is skipped and counted by reason, with a few `file:line`
+examples; a file that cannot be read at all stops the job with its name. Same inputs -> same `content_hash`.
+"""
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm import tqdm
+
+from data.chat import RowError, end_of_turn, normalize_messages, template_hash, tokenize_chat
+
+MAX_LEN = 4096               # tokens per sample; longer rows are truncated (or dropped with --overlong drop)
+MAX_ROW_BYTES = 32 << 20     # a raw row larger than this is skipped as too_long without being parsed
+NUM_EXAMPLES = 5             # examples kept per skip reason in stats.json
+MAP_BATCH = 256              # rows per datasets.map call in a worker
+FORMAT_VERSION = 1           # bump when the columns or their meaning change
+
+RAW_SCHEMA = pa.schema([("src", pa.string()), ("text", pa.large_string()), ("err", pa.string()),
+                        ("detail", pa.string())])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading: every input row becomes (src "file:line", JSON text or None, err reason or "", detail)
+
+def _fail(path, why):
+    raise SystemExit(f"data.prepare: cannot read input {path}: {why}")
+
+
+def _lines(path: Path, data: bytes):
+    for n, line in enumerate(data.split(b"\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        src = f"{path}:{n}"
+        if len(line) > MAX_ROW_BYTES:
+            yield src, None, "too_long", f"{len(line)} bytes"
+            continue
+        try:
+            yield src, line.decode("utf-8"), "", ""
+        except UnicodeDecodeError as e:
+            yield src, None, "bad_encoding", str(e)[:80]
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
+            return f.read().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM would spoil the first row
+    except OSError as e:
+        _fail(path, e)
+
+
+def read_rows(path: Path):
+    """Yield (src, text, err, detail) for every row of one input; SystemExit when the input is unreadable."""
+    if not path.exists():
+        _fail(path, "no such file or folder")
+    if path.is_dir():
+        yield from _read_datasets_folder(path)
+        return
+    kind = path.name.removesuffix(".gz").rsplit(".", 1)[-1].lower()
+    if kind == "jsonl":
+        yield from _lines(path, _read_bytes(path))
+    elif kind == "json":
+        data = _read_bytes(path)
+        try:
+            rows = json.loads(data)
+        except (ValueError, UnicodeDecodeError):  # often JSONL under a .json name: go line by line
+            yield from _lines(path, data)
+            return
+        rows = rows if isinstance(rows, list) else [rows]
+        for n, row in enumerate(rows, 1):
+            yield f"{path}:{n}", json.dumps(row, ensure_ascii=False), "", ""
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+        try:
+            pf = pq.ParquetFile(path)
+            n = 0
+            for batch in pf.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield f"{path}:{n}", json.dumps(row, ensure_ascii=False, default=str), "", ""
+        except (OSError, pa.ArrowException) as e:
+            _fail(path, e)
+    else:
+        _fail(path, "unsupported format (expected .jsonl, .json, .parquet or a datasets folder)")
+
+
+def _read_datasets_folder(path: Path):
+    import datasets
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # not a save_to_disk folder, or corrupt
+        _fail(path, f"not a datasets folder ({e})")
+    parts = ds.items() if isinstance(ds, datasets.DatasetDict) else [("", ds)]
+    for split, d in parts:
+        tag = f"{path}[{split}]" if split else str(path)
+        for n, row in enumerate(d, 1):
+            yield f"{tag}:{n}", json.dumps(row, ensure_ascii=False, default=str), "", ""
+
+
+def write_raw(inputs, raw_path: Path) -> list[dict]:
+    """Stream every row of every input into one Arrow file (memory-mapped by the workers); -> per-input counts."""
+    counts = []
+    with pa.OSFile(str(raw_path), "wb") as sink, pa.ipc.new_stream(sink, RAW_SCHEMA) as w:
+        for path in inputs:
+            n, buf = 0, defaultdict(list)
+            for src, text, err, detail in tqdm(read_rows(Path(path)), desc=f"read {Path(path).name}", unit=" rows",
+                                               mininterval=1.0):
+                for k, v in zip(("src", "text", "err", "detail"), (src, text, err, detail)):
+                    buf[k].append(v)
+                n += 1
+                if len(buf["src"]) >= 4096:
+                    w.write_batch(pa.record_batch(buf, schema=RAW_SCHEMA))
+                    buf = defaultdict(list)
+            if buf:
+                w.write_batch(pa.record_batch(buf, schema=RAW_SCHEMA))
+            counts.append({"path": str(path), "rows": n})
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenizing (runs in datasets.map workers)
+
+_TOKENIZERS = {}
+
+
+def load_tokenizer(path: str):
+    if path not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+    return _TOKENIZERS[path]
+
+
+def _tokenize_batch(batch, tokenizer_path, max_len, enable_thinking, overlong):
+    tok = load_tokenizer(tokenizer_path)
+    out = {"input_ids": [], "loss_mask": [], "reason": [], "detail": []}
+    for text, err, detail in zip(batch["text"], batch["err"], batch["detail"]):
+        ids, mask = [], []
+        try:
+            if err:
+                raise RowError(err, detail)
+            ids, mask = tokenize_chat(tok, normalize_messages(text), max_len, enable_thinking, overlong)
+            err, detail = "", ""
+        except RowError as e:
+            err, detail = e.reason, e.detail
+        except Exception as e:  # a row that trips anything else is still one row: count it, show it, go on
+            err, detail = "internal_error", f"{type(e).__name__}: {e}"[:120]
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["reason"].append(err)
+        out["detail"].append(detail)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dataset stats and content hash (shared with data.merge)
+
+def token_features():
+    import datasets
+    seq = getattr(datasets, "List", datasets.Sequence)
+    return datasets.Features({"input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("uint8"))})
+
+
+def _column(ds, name) -> pa.ChunkedArray:
+    assert ds._indices is None, "flatten or save the dataset first (a column view would copy it into memory)"
+    return ds.data.table[name]
+
+
+def content_hash(ds) -> str:
+    """sha256 over the token columns in row order (lengths, ids as int32, mask as uint8): the dataset's identity."""
+    hl, hi, hm = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()  # one per stream: chunking cannot matter
+    for ids in _column(ds, "input_ids").chunks:
+        hl.update(pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+        hi.update(pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype("<i4").tobytes())
+    for mask in _column(ds, "loss_mask").chunks:
+        hm.update(pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype("u1").tobytes())
+    return hashlib.sha256(hl.digest() + hi.digest() + hm.digest()).hexdigest()
+
+
+def dataset_stats(ds, max_len=None) -> dict:
+    lengths = pc.list_value_length(_column(ds, "input_ids")).to_numpy(zero_copy_only=False)
+    supervised = pc.sum(pc.list_flatten(_column(ds, "loss_mask")).cast(pa.int64())).as_py() or 0
+    return {"samples": len(lengths), "tokens": int(lengths.sum()), "supervised_tokens": int(supervised),
+            "mean_len": round(float(lengths.mean()), 2) if len(lengths) else 0.0,
+            "longest": int(lengths.max()) if len(lengths) else 0,
+            "at_max_len": int((lengths >= max_len).sum()) if max_len else 0,  # truncated, or exactly max_len
+            "content_hash": content_hash(ds)}
+
+
+def tokenizer_hash(tok) -> str:
+    """sha256 of the vocabulary (ids must mean the same tokens before datasets can be merged)."""
+    return hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
+
+
+def save(ds, out: Path, extra: dict) -> dict:
+    """Write ds into out.tmp, compute its stats from the written copy (memory-mapped), add `extra`, write
+    stats.json, then rename to out: a half-written DIR never looks finished. -> the stats."""
+    import datasets
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    stats = {**dataset_stats(datasets.load_from_disk(str(tmp)), extra.get("max_len")), **extra}
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return stats
+
+
+def check_out(out: Path, overwrite: bool):
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise SystemExit(f"{out} already exists; pass --overwrite to replace it")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def prepare(inputs, tokenizer_path, out, max_len=MAX_LEN, thinking=None, overlong="truncate", num_proc=None,
+            overwrite=False) -> dict:
+    """The whole command as a function (tests call it). thinking: None (template default), True, False."""
+    import datasets
+    out = Path(out)
+    check_out(out, overwrite)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we parallelise over processes, not threads
+    try:
+        tok = load_tokenizer(str(tokenizer_path))
+    except Exception as e:
+        raise SystemExit(f"data.prepare: cannot load tokenizer {tokenizer_path}: {e}")
+    if not getattr(tok, "is_fast", False):
+        raise SystemExit(f"data.prepare: tokenizer {tokenizer_path} has no fast (tokenizers) backend; the loss mask "
+                         f"needs its offset mapping")
+    if not tok.chat_template:
+        raise SystemExit(f"data.prepare: tokenizer {tokenizer_path} has no chat template")
+    try:
+        end_of_turn(tok, thinking)  # probes the template once: a template we cannot mask fails here, not per row
+    except ValueError as e:
+        raise SystemExit(f"data.prepare: tokenizer {tokenizer_path}: {e}")
+    if thinking is not None and "enable_thinking" not in str(tok.chat_template):
+        print("note: the chat template has no enable_thinking switch; --thinking is ignored by it")
+    for path in map(Path, inputs):  # fail before hours of work, not after
+        kind = path.name.removesuffix(".gz").rsplit(".", 1)[-1].lower()
+        if not path.exists():
+            _fail(path, "no such file or folder")
+        if not path.is_dir() and kind not in ("jsonl", "json", "parquet"):
+            _fail(path, "unsupported format (expected .jsonl, .json, .parquet or a datasets folder)")
+    num_proc = num_proc or os.cpu_count() or 1
+
+    work = out.with_name(out.name + ".work")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        input_counts = write_raw(inputs, work / "raw.arrow")
+        raw = datasets.Dataset.from_file(str(work / "raw.arrow"))
+        feats = datasets.Features({"src": datasets.Value("string"), **token_features(),
+                                   "reason": datasets.Value("string"), "detail": datasets.Value("string")})
+        done = raw.map(_tokenize_batch, batched=True, batch_size=MAP_BATCH, remove_columns=["text", "err"],
+                       features=feats, num_proc=num_proc if num_proc > 1 and len(raw) > MAP_BATCH else None,
+                       fn_kwargs=dict(tokenizer_path=str(tokenizer_path), max_len=max_len,
+                                      enable_thinking=thinking, overlong=overlong),
+                       cache_file_name=str(work / "tokenized.arrow"), load_from_cache_file=False,
+                       desc="tokenize")
+        reasons = np.asarray(done.data.table["reason"].to_pylist(), dtype=object)
+        skipped = Counter(r for r in reasons if r)
+        examples = {}
+        bad = np.flatnonzero(reasons != "")
+        if len(bad):
+            rows = done.select(bad).select_columns(["src", "reason", "detail"]).to_dict()
+            for src, reason, detail in zip(rows["src"], rows["reason"], rows["detail"]):
+                ex = examples.setdefault(reason, [])
+                if len(ex) < NUM_EXAMPLES:
+                    ex.append(f"{src}: {detail}" if detail else src)
+        good = done.select(np.flatnonzero(reasons == "")).select_columns(["input_ids", "loss_mask"])
+        if len(good) == 0:
+            raise SystemExit(f"data.prepare: no usable rows in {list(map(str, inputs))}; skipped: {dict(skipped)}")
+        stats = save(good, out, dict(
+            format_version=FORMAT_VERSION, rows_read=len(reasons),
+            skipped=dict(sorted(skipped.items())), examples=dict(sorted(examples.items())), inputs=input_counts,
+            tokenizer=str(tokenizer_path), tokenizer_hash=tokenizer_hash(tok), chat_template_hash=template_hash(tok),
+            max_len=max_len, thinking={None: None, True: "on", False: "off"}[thinking], overlong=overlong))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _report(stats, out)
+    return stats
+
+
+def _report(stats, out):
+    print(f"read {stats['rows_read']:,} rows from {len(stats['inputs'])} input(s); kept {stats['samples']:,} "
+          f"({stats['tokens']:,} tokens, {stats['supervised_tokens']:,} supervised, mean len {stats['mean_len']}, "
+          f"longest {stats['longest']}, {stats['at_max_len']:,} at max_len)")
+    for reason, n in stats["skipped"].items():
+        print(f"  skipped {n:,} {reason}, e.g. " + " | ".join(stats["examples"].get(reason, [])[:3]))
+    print(f"wrote {out} (content_hash {stats['content_hash'][:16]})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="+", help=".jsonl/.json/.parquet files or datasets folders")
+    ap.add_argument("--tokenizer", required=True, help="the TARGET's tokenizer folder (its chat template is used)")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--max-len", type=int, default=MAX_LEN, help="tokens per sample")
+    ap.add_argument("--thinking", choices=["on", "off"], default=None,
+                    help="enable_thinking for templates that have it (Qwen3); default: the template's default")
+    ap.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
+                    help="rows over --max-len: truncate them, or skip them as too_long")
+    ap.add_argument("--num-proc", type=int, default=None, help="worker processes (default: all CPU cores)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    a = ap.parse_args(argv)
+    prepare(a.inputs, a.tokenizer, a.out, a.max_len, {None: None, "on": True, "off": False}[a.thinking],
+            a.overlong, a.num_proc, a.overwrite)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
