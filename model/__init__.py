@@ -1,0 +1,1 @@
+"""Model side of DFlash training: attention (masks), drafter, objective, target, export. Import the submodules."""

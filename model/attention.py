@@ -1,0 +1,141 @@
+"""The one DFlash attention mask, and the two ways to run it.
+
+Packed layout: queries are the N*B block tokens (block n = q_idx // B); keys are [T context ; N*B block].
+A query of block n sees
+  - context kv of its own document strictly before the anchor (the anchor's own hidden state does not exist at
+    inference: the target has not run on that token yet),
+  - every token of its own block (bidirectional; causal inside the block for sliding-window layers),
+  - nothing of any other block.
+`dflash_mask_mod` writes this once with tensor ops only, so the same function feeds flex_attention's BlockMask
+(GPU training) and, evaluated on broadcast index grids, the dense bool mask of the SDPA path (CPU, tests).
+"""
+import functools
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+FLEX_BLOCK = 128  # flex_attention's tile; queries are padded to a multiple of it on GPU
+
+
+def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_blocks,
+                    causal_block=False, sliding_window=None):
+    """mask_mod(b, h, q_idx, kv_idx) -> bool for N blocks of B tokens against [T context ; N*B block] keys.
+
+    anchor_pos [N]: index of each anchor in the packed [T]; anchor_doc [N]: its document; ctx_doc [T]: document of
+    every context row (-1 = padding, never visible). causal_block / sliding_window: the sliding-window layer variant.
+    """
+    T, B, N = ctx_len, block_size, num_blocks
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # flex pads Q and KV up to its tile: clamp every index used to read a tensor so padded rows stay in bounds
+        n = torch.clamp(q_idx // B, max=N - 1)                  # block of the query
+        kq = q_idx - n * B                                      # slot of the query inside its block
+        a, d = anchor_pos[n], anchor_doc[n]
+        is_ctx = kv_idx < T
+        c = torch.clamp(kv_idx, max=T - 1)                      # safe context index
+        ctx_ok = is_ctx & (ctx_doc[c] == d) & (kv_idx < a)      # strict <: never the anchor's own features
+        kb = torch.clamp(kv_idx - T, min=0)                     # index into the N*B block keys
+        kk = kb % B                                             # slot of the key inside its block
+        blk_ok = (~is_ctx) & (kb // B == n)                     # padded kv (kb >= N*B) has kb // B >= N != n
+        if causal_block:
+            blk_ok = blk_ok & (kk <= kq)
+        if sliding_window is not None:
+            # same document => packed index distance == position distance; the query sits at a + kq
+            ctx_ok = ctx_ok & (a + kq - kv_idx < sliding_window)
+            blk_ok = blk_ok & (kq - kk < sliding_window)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def _mask_args(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window):
+    return dict(anchor_pos=anchor_pos, anchor_doc=anchor_doc, ctx_doc=ctx_doc, ctx_len=ctx_doc.shape[0],
+                block_size=block_size, num_blocks=anchor_pos.shape[0], causal_block=causal_block,
+                sliding_window=sliding_window)
+
+
+def dense_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None):
+    """The same mask_mod on broadcast index grids -> bool [N*B, T+N*B] for SDPA."""
+    T, M = ctx_doc.shape[0], anchor_pos.shape[0] * block_size
+    mod = dflash_mask_mod(**_mask_args(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window))
+    q = torch.arange(M, device=ctx_doc.device)[:, None]           # [M, 1]
+    kv = torch.arange(T + M, device=ctx_doc.device)[None, :]      # [1, T+M]
+    zero = torch.zeros((), dtype=torch.long, device=ctx_doc.device)
+    return mod(zero, zero, q, kv)                                 # [M, T+M]
+
+
+def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
+               q_pad_to=None) -> BlockMask:
+    """flex_attention BlockMask of the same mask_mod. Q_LEN is padded to a multiple of `q_pad_to` (default: 128 on
+    GPU, none on CPU) so few distinct shapes reach the compiled kernel; the drafter pads its queries to match."""
+    T, M = ctx_doc.shape[0], anchor_pos.shape[0] * block_size
+    if q_pad_to is None:
+        q_pad_to = FLEX_BLOCK if ctx_doc.device.type == "cuda" else 1
+    q_len = -(-M // q_pad_to) * q_pad_to
+    mod = dflash_mask_mod(**_mask_args(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window))
+    # built eagerly (vmap, no dynamo), so worker threads may call it while the main thread's compile cache is warm
+    return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=T + M, device=ctx_doc.device)
+
+
+# ---------------------------------------------------------------------------
+# Per-layer-type masks for one micro-batch
+
+Mask = Union[torch.Tensor, BlockMask]
+
+
+@dataclass
+class AttnSpec:
+    """Masks of one micro-batch, one per layer type; built once by the caller, shared by all drafter layers."""
+    full: Mask                      # full_attention layers: bidirectional inside the block
+    sliding: Mask | None = None     # sliding_attention layers: causal inside the block + window on context
+
+    @property
+    def is_flex(self) -> bool:
+        return isinstance(self.full, BlockMask)
+
+    def for_layer(self, layer_type: str) -> Mask:
+        if layer_type == "sliding_attention":
+            assert self.sliding is not None, "AttnSpec has no sliding-window mask but the drafter has sliding layers"
+            return self.sliding
+        return self.full
+
+
+def make_attn_spec(anchor_pos, anchor_doc, ctx_doc, block_size, layer_types, sliding_window=None,
+                   flex=False) -> AttnSpec:
+    build = block_mask if flex else dense_mask
+    full = build(anchor_pos, anchor_doc, ctx_doc, block_size)
+    sliding = None
+    if "sliding_attention" in layer_types:
+        sliding = build(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=True, sliding_window=sliding_window)
+    return AttnSpec(full=full, sliding=sliding)
+
+
+# ---------------------------------------------------------------------------
+# Compiled flex_attention: built once per process, warmed on the main thread
+
+@functools.cache
+def compiled_flex_attention():
+    # one compiled callable per process; compiling from several threads at once raises
+    # "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+    return torch.compile(flex_attention)
+
+
+def warmup_flex_attention(device, dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16):
+    """Compile flex_attention (forward, and backward on GPU) on the calling thread. Call it on the main thread
+    before any worker thread runs the drafter. The kernel recompiles for other head counts / head_dim / dtype, so
+    pass the drafter's own."""
+    device = torch.device(device)
+    doc = torch.zeros(3 * block_size, dtype=torch.long, device=device)                 # one document, T = 3B
+    anchors = torch.tensor([block_size, 2 * block_size], device=device)
+    bm = block_mask(anchors, torch.zeros_like(anchors), doc, block_size)
+    M, T = bm.seq_lengths
+    grad = device.type != "cpu"   # flex has no backward on CPU
+    q = torch.randn(1, num_heads, M, head_dim, device=device, dtype=dtype, requires_grad=grad)
+    k = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
+    v = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        out = compiled_flex_attention()(q, k, v, block_mask=bm, enable_gqa=num_heads != num_kv_heads)
+        if grad:
+            out.sum().backward()

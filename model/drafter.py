@@ -1,0 +1,256 @@
+"""The DFlash drafter: L Qwen3-style decoder layers with the target's context features injected as extra keys/values
+in every layer. No embedding, no lm_head: the caller embeds the block with the target's frozen embedding and applies
+the target's lm_head to the output.
+
+Parameter names are the serving-format keys (layers.{i}.self_attn.q_proj.weight, ..., fc.weight, hidden_norm.weight,
+norm.weight) so export is a plain state_dict save and z-lab's DFlashDraftModel / SGLang / vLLM load it as is.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from model.attention import AttnSpec, compiled_flex_attention, make_attn_spec
+
+
+def default_layer_ids(n_layers: int, k: int) -> list[int]:
+    """K target layers to tap, spread from layer 1 to n-3 (spec section 1; z-lab's build_target_layer_ids)."""
+    if k == 1:
+        return [n_layers // 2]
+    return [int(round(1 + i * (n_layers - 4) / (k - 1))) for i in range(k)]
+
+
+# ---------------------------------------------------------------------------
+# Config
+
+def rope_from_hf(cfg) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) of an HF config. transformers 5 nests both in `rope_parameters`;
+    4.x configs keep `rope_theta` / `rope_scaling` at the top level."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+    scaling = getattr(cfg, "rope_scaling", None) if not params else params
+    scaling = {k: v for k, v in (scaling or {}).items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None            # None = default RoPE; else {"rope_type": "linear" | "llama3", ...}
+    max_position_embeddings: int
+    num_hidden_layers: int               # L, drafter layers
+    num_target_layers: int               # n, layers of the target
+    target_layer_ids: list[int]          # K tapped target layers (decoder layer l == HF hidden_states[l + 1])
+    block_size: int                      # B
+    mask_token_id: int
+    vocab_size: int                      # the target's embedding rows (written to config.json for loaders)
+    layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention", one per layer
+    sliding_window: int | None = None
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        assert len(self.layer_types) == self.num_hidden_layers, f"{len(self.layer_types)=} != {self.num_hidden_layers=}"
+        assert set(self.layer_types) <= {"full_attention", "sliding_attention"}, self.layer_types
+        assert "sliding_attention" not in self.layer_types or self.sliding_window, "sliding layers need sliding_window"
+        assert all(0 <= l < self.num_target_layers for l in self.target_layer_ids), \
+            f"target_layer_ids {self.target_layer_ids} outside 0..{self.num_target_layers - 1}"
+        assert self.num_attention_heads % self.num_key_value_heads == 0
+        assert self.block_size >= 2, "a block is the anchor plus at least one token to draft"
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, target_hf_config, num_layers, block_size, mask_token_id, target_layer_ids=None,
+                    num_taps=None, sliding_window_layers=0, sliding_window=None):
+        """Copy the target's sizes. K defaults to num_layers taps (z-lab's convention). With
+        sliding_window_layers = s, the last s layers are sliding (Qwen3's max_window_layers = L - s convention)."""
+        t = target_hf_config.get_text_config() if hasattr(target_hf_config, "get_text_config") else target_hf_config
+        n = t.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_layer_ids(n, num_taps or num_layers)
+        assert num_taps is None or num_taps == len(target_layer_ids), f"{num_taps=} != len({target_layer_ids})"
+        assert 0 <= sliding_window_layers <= num_layers, f"{sliding_window_layers=} > {num_layers=}"
+        if sliding_window_layers:
+            sliding_window = sliding_window or getattr(t, "sliding_window", None)
+        theta, scaling = rope_from_hf(t)
+        return cls(
+            hidden_size=t.hidden_size,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+            intermediate_size=t.intermediate_size,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=t.max_position_embeddings,
+            num_hidden_layers=num_layers,
+            num_target_layers=n,
+            target_layer_ids=list(target_layer_ids),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            vocab_size=t.vocab_size,
+            layer_types=["full_attention"] * (num_layers - sliding_window_layers)
+                        + ["sliding_attention"] * sliding_window_layers,
+            sliding_window=sliding_window if sliding_window_layers else None,
+            attention_bias=bool(getattr(t, "attention_bias", False)),
+        )
+
+
+# ---------------------------------------------------------------------------
+# RoPE (fp32 angles, HF-compatible: default, linear, llama3)
+
+def rope_inv_freq(cfg: DrafterConfig, device=None) -> torch.Tensor:
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))  # [D/2]
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    if kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)   # long wavelengths: divide
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled                 # medium: interpolate
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_type {kind!r} is not implemented in model/drafter.py (default, linear, llama3)")
+
+
+def rope_cos_sin(positions, cfg: DrafterConfig):
+    """positions [P] -> cos, sin [P, D] in fp32 (HF layout: the half-dim angles repeated twice)."""
+    freqs = positions.float()[:, None] * rope_inv_freq(cfg, positions.device)[None, :]   # [P, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                                              # [P, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [P, heads, D]; cos, sin [P, D]."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------
+# Layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)   # statistics in fp32, like HF
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, D, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.n_head * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_head * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, h, ctx, cos, sin, mask):
+        """h [M, H] normed block states; ctx [T, H] shared context; cos, sin [T+M, D]; mask for [M, T+M]."""
+        M, T, D = h.shape[0], ctx.shape[0], self.head_dim
+        kv_in = torch.cat([ctx, h], dim=0)                                  # [T+M, H]: context rows first
+        q = self.q_norm(self.q_proj(h).view(M, self.n_head, D))            # [M, nh, D]
+        k = self.k_norm(self.k_proj(kv_in).view(T + M, self.n_kv, D))      # [T+M, nkv, D]: k_norm on all keys
+        v = self.v_proj(kv_in).view(T + M, self.n_kv, D)                   # [T+M, nkv, D]
+        q, k = apply_rope(q, cos[T:], sin[T:]), apply_rope(k, cos, sin)
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))     # [1, heads, len, D]
+        gqa = self.n_head != self.n_kv
+        if isinstance(mask, BlockMask):
+            q_len = mask.seq_lengths[0]                                     # padded to the flex tile on GPU
+            if q_len > M:
+                q = F.pad(q, (0, 0, 0, q_len - M))
+            flex = compiled_flex_attention() if q.is_cuda else flex_attention   # eager flex: CPU tests only
+            o = flex(q, k, v, block_mask=mask, enable_gqa=gqa)[:, :, :M]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(o[0].transpose(0, 1).reshape(M, self.n_head * D))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, mask):
+        # ctx is injected as it is: hidden_norm(fc(features)) once, not this layer's input_layernorm
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.num_taps * H, H, bias=False)   # [H, K*H]
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def attn_spec(self, anchor_idx, anchor_doc, doc_ids, flex=False) -> AttnSpec:
+        """Masks for one micro-batch (anchor_idx into the packed [T]); build once, pass to forward."""
+        c = self.config
+        return make_attn_spec(anchor_idx, anchor_doc, doc_ids, c.block_size, c.layer_types, c.sliding_window, flex)
+
+    def forward(self, features, ctx_positions, block_emb, block_positions, attn: AttnSpec):
+        """features [T, K*H], ctx_positions [T], block_emb [M, H] (M = N*B), block_positions [M] -> [M, H]."""
+        ctx = self.hidden_norm(self.fc(features))                            # [T, H], shared by every layer
+        cos, sin = rope_cos_sin(torch.cat([ctx_positions, block_positions]), self.config)  # [T+M, D]
+        x = block_emb                                                        # [M, H]
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            x = layer(x, ctx, cos, sin, attn.for_layer(kind))
+        return self.norm(x)
