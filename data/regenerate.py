@@ -4,81 +4,129 @@
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --endpoint http://127.0.0.1:30000 \
         --served-model NAME --concurrency 32                                                  # SGLang / vLLM server
 
-Input rows hold `messages` (OpenAI) or `conversations` (ShareGPT). With `--turns all` (default) every original
-assistant turn is dropped and the target answers each user turn in order; `--turns last` keeps the conversation
-up to its last user turn and regenerates only the final answer. Output rows: the input row with `messages`
-replaced and `finish_reasons` added (one per generated turn: "stop" or "length").
+Input: what data.prepare reads (.jsonl / .json / .parquet, .gz too, or a `datasets` folder), rows in the OpenAI
+`messages` or ShareGPT `conversations` format, parsed by data.chat.normalize_messages, so regeneration accepts and
+rejects exactly what training does; a rejected row is skipped and counted by its RowError reason. The final
+assistant turns of a row are what gets regenerated and are not read (prompt-only rows are fine). With `--turns all`
+(default) every original assistant turn is dropped and the target answers each user turn in order; `--turns last`
+keeps the conversation up to its last user (or tool) turn and regenerates only the final answer. Output rows: the
+input row with `messages` replaced and `finish_reasons` added (one per generated turn: "stop" or "length").
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
-drops a torn last line. A prompt that still fails after `--retries` tries goes to OUTPUT.errors.jsonl and is
-attempted again on the next run; it never stops the job.
+drops a torn last line (that prompt is redone). A prompt that still fails after `--retries` tries goes to
+OUTPUT.errors.jsonl and is attempted again on the next run; it never stops the job.
 """
 import argparse
 import hashlib
+import http.client
 import json
 import os
 import sys
 import time
-import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROLE_ALIASES = {"user": "user", "human": "user", "system": "system",
-                "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant"}
+from data.chat import ROLE_ALIASES, RowError, normalize_messages
+from data.prepare import read_rows
+
+RETRY_BACKOFF_S = 0.5     # sleep before the 2nd try of a failed request or batch; doubles per try, at most 8 s
+NUM_EXAMPLES = 5          # skipped input rows printed with their file:line
+RETRYABLE = (OSError, ValueError, KeyError, IndexError, http.client.HTTPException)  # URLError/HTTPError are OSError
+PLACEHOLDER = {"role": "assistant", "content": "(regenerated)"}  # lent to normalize_messages, see prompt_turns
 
 
 # --- rows -----------------------------------------------------------------------------------------------------------
 
+def conversation(row: dict):
+    """The row's raw turn list, picked as data.chat.normalize_messages picks it."""
+    return row["messages"] if row.get("messages") is not None else row.get("conversations")
+
+
 def row_id(row: dict) -> str:
     if row.get("id") is not None:
         return str(row["id"])
-    conv = row.get("messages", row.get("conversations"))
+    conv = conversation(row)
     return "sha1:" + hashlib.sha1(json.dumps(conv, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def prompt_turns(row: dict, turns: str) -> tuple[list[dict], list[str]]:
-    """-> (history kept verbatim, user turns still to answer). Raises ValueError on a row with nothing to answer."""
-    conv = row.get("messages", row.get("conversations"))
+def _is_answer(turn) -> bool:
+    role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+    return isinstance(role, str) and ROLE_ALIASES.get(role.lower()) == "assistant"
+
+
+def prompt_turns(row, turns: str) -> tuple[list[dict], list[dict]]:
+    """-> (history sent as is, turns that each get one generated answer, in order). Raises RowError.
+
+    turns="last": the history is everything before the last user/tool turn. turns="all": the history is the first
+    system message and every user turn is answered afresh; a conversation with tool turns cannot be (its tool
+    results answer the original assistant's calls), so it is RowError("tool_turns")."""
+    conv = conversation(row) if isinstance(row, dict) else None
     if not isinstance(conv, list) or not conv:
-        raise ValueError("no messages/conversations list")
-    msgs = []
-    for m in conv:
-        if not isinstance(m, dict):
-            raise ValueError("message is not an object")
-        role = ROLE_ALIASES.get(str(m.get("role", m.get("from", ""))).lower())
-        content = m.get("content", m.get("value"))
-        if role is None or not isinstance(content, str):
-            raise ValueError(f"bad message {str(m)[:80]!r}")
-        msgs.append({"role": role, "content": content})
-    while msgs and msgs[-1]["role"] == "assistant":
-        msgs.pop()
-    if not msgs or msgs[-1]["role"] != "user":
-        raise ValueError("no user turn to answer")
+        normalize_messages(row)  # always raises here, with training's reason: malformed_json, missing_messages
+    raw = list(conv)
+    while raw and _is_answer(raw[-1]):  # the answers to regenerate: not read, so an empty one is fine
+        raw.pop()
+    if not raw:
+        raise RowError("no_user_turn", "only assistant turns")
+    # normalize_messages wants a conversation that ends on an answer: lend it one, then take it back
+    msgs = normalize_messages({"messages": raw + [PLACEHOLDER]})[:-1]
+    if not msgs or msgs[-1]["role"] not in ("user", "tool"):
+        raise RowError("no_user_turn", f"last turn is {msgs[-1]['role'] if msgs else 'an empty system turn'}")
     if turns == "last":
-        return msgs[:-1], [msgs[-1]["content"]]
-    history = [m for m in msgs if m["role"] == "system"][:1]
-    return history, [m["content"] for m in msgs if m["role"] == "user"]
+        return msgs[:-1], msgs[-1:]
+    if any(m["role"] == "tool" for m in msgs):
+        raise RowError("tool_turns", "tool results answer the original calls: use --turns last")
+    return [m for m in msgs if m["role"] == "system"][:1], [m for m in msgs if m["role"] == "user"]
+
+
+def read_prompts(path: Path, turns: str, limit: int = 0):
+    """-> (list of (row, history, asks), Counter of skipped reasons, duplicate ids). SystemExit when `path` cannot
+    be read at all; a bad row is skipped, counted, and the first few are printed with their file:line."""
+    prompts, skipped, ids, dupes = [], Counter(), set(), 0
+    for n, (src, text, err, detail) in enumerate(read_rows(path), 1):
+        if limit and n > limit:
+            break
+        try:
+            if err:
+                raise RowError(err, detail)
+            row = json.loads(text)
+            history, asks = prompt_turns(row, turns)
+        except ValueError as e:  # RowError, or json's error for a line that is not JSON
+            skipped[getattr(e, "reason", "malformed_json")] += 1
+            if skipped.total() <= NUM_EXAMPLES:
+                print(f"regenerate: skipping {src}: {e}", file=sys.stderr)
+            continue
+        rid = row_id(row)
+        if rid in ids:
+            dupes += 1
+            continue
+        ids.add(rid)
+        prompts.append((row, history, asks))
+    return prompts, skipped, dupes
 
 
 def read_done(output: Path) -> set[str]:
-    """Ids already written; a torn last line (killed mid-write) is cut off so appends stay valid JSONL."""
+    """Ids already written. A torn last line (killed mid-write: no newline yet) is cut off so appends stay valid
+    JSONL; a bad line before it is an error, not something to cut (the good rows after it would go too)."""
     if not output.exists():
         return set()
     data = output.read_bytes()
-    good_end, done = 0, set()
-    for line in data.splitlines(keepends=True):
+    lines = data.split(b"\n")  # the last item is what follows the final newline: empty unless torn
+    done = set()
+    for n, line in enumerate(lines[:-1], 1):
+        if not line.strip():
+            continue
         try:
             done.add(row_id(json.loads(line)))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            break
-        if not line.endswith(b"\n"):
-            break
-        good_end += len(line)
-    if good_end != len(data):
-        print(f"regenerate: dropping a torn last line of {output} ({len(data) - good_end} bytes)", file=sys.stderr)
+        except (ValueError, AttributeError) as e:
+            raise SystemExit(f"regenerate: {output}:{n} is not a finished row ({e}); only a torn last line is "
+                             f"repaired by itself: fix or remove this one")
+    if lines[-1]:
+        print(f"regenerate: dropping a torn last line of {output} ({len(lines[-1])} bytes)", file=sys.stderr)
         with open(output, "r+b") as f:
-            f.truncate(good_end)
+            f.truncate(len(data) - len(lines[-1]))
     return done
 
 
@@ -89,6 +137,7 @@ class Sink:
         output.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(output, "a", encoding="utf-8")
         self.err = open(str(output) + ".errors.jsonl", "a", encoding="utf-8")
+        self.n_failed = 0
 
     def _write(self, f, obj):
         f.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -96,11 +145,16 @@ class Sink:
         os.fsync(f.fileno())
 
     def done(self, row, messages, finish_reasons):
-        self._write(self.out, {**{k: v for k, v in row.items() if k not in ("conversations",)},
+        self._write(self.out, {**{k: v for k, v in row.items() if k != "conversations"},
                                "id": row_id(row), "messages": messages, "finish_reasons": finish_reasons})
 
     def failed(self, row, error):
+        self.n_failed += 1
         self._write(self.err, {"id": row_id(row), "error": str(error)[:500], "time": time.time()})
+
+    def close(self):
+        self.out.close()
+        self.err.close()
 
 
 # --- backends -------------------------------------------------------------------------------------------------------
@@ -177,33 +231,37 @@ def with_retries(fn, retries, what):
     for attempt in range(retries):
         try:
             return fn()
-        except (urllib.error.URLError, OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        except RETRYABLE as e:
             if attempt == retries - 1:
                 raise
             print(f"regenerate: {what} failed ({e}); retry {attempt + 2}/{retries}", file=sys.stderr)
-            time.sleep(min(2 ** attempt * 0.5, 8))
+            time.sleep(min(RETRY_BACKOFF_S * 2 ** attempt, 8.0))
 
 
 def run_local(backend, todo, sink, batch_size, retries, progress):
-    """Batches of conversations advance turn by turn together; rows sorted by prompt length pad less."""
-    todo = sorted(todo, key=lambda t: len(json.dumps(t[1])))
+    """Batches of conversations advance turn by turn together; rows sorted by first prompt length pad less. A batch
+    that still fails after its retries is redone one row at a time, so a bad row (a template error) fails alone."""
+    todo = sorted(todo, key=lambda t: len(json.dumps(t[1] + t[2][:1])))
     for s in range(0, len(todo), batch_size):
         chunk = todo[s:s + batch_size]
-        convs = [list(h) for _, h, _ in chunk]
+        convs = [list(history) for _, history, _ in chunk]
         reasons = [[] for _ in chunk]
         try:
-            for k in range(max(len(u) for _, _, u in chunk)):
-                live = [i for i, (_, _, users) in enumerate(chunk) if k < len(users)]
+            for k in range(max(len(asks) for _, _, asks in chunk)):
+                live = [i for i, (_, _, asks) in enumerate(chunk) if k < len(asks)]
                 for i in live:
-                    convs[i].append({"role": "user", "content": chunk[i][2][k]})
+                    convs[i].append(chunk[i][2][k])
                 answers = with_retries(lambda: backend.generate([convs[i] for i in live]), retries, "batch")
                 for i, (text, why) in zip(live, answers):
                     convs[i].append({"role": "assistant", "content": text})
                     reasons[i].append(why)
         except Exception as e:  # noqa: BLE001 - recorded per prompt, the run goes on
-            for row, _, _ in chunk:
-                sink.failed(row, e)
-            progress(len(chunk))
+            if len(chunk) > 1:
+                print(f"regenerate: a batch of {len(chunk)} failed ({e}); redoing it row by row", file=sys.stderr)
+                run_local(backend, chunk, sink, 1, retries, progress)
+            else:
+                sink.failed(chunk[0][0], e)
+                progress(1)
             continue
         for (row, _, _), conv, why in zip(chunk, convs, reasons):
             sink.done(row, conv, why)
@@ -212,15 +270,15 @@ def run_local(backend, todo, sink, batch_size, retries, progress):
 
 def run_http(backend, todo, sink, concurrency, retries, progress):
     def one(item):
-        row, history, users = item
+        row, history, asks = item
         conv, reasons = list(history), []
         try:
-            for u in users:
-                conv.append({"role": "user", "content": u})
+            for ask in asks:
+                conv.append(ask)
                 text, why = with_retries(lambda: backend.one(conv), retries, row_id(row))
                 conv.append({"role": "assistant", "content": text})
                 reasons.append(why)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - recorded per prompt, the run goes on
             return row, None, e
         return row, conv, reasons
 
@@ -233,9 +291,10 @@ def run_http(backend, todo, sink, concurrency, retries, progress):
             progress(1)
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
+    """-> counts of this run (for tests): done before, to do, skipped {reason: n}, duplicates, failed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", type=Path, required=True, help="JSONL of conversations or prompts")
+    ap.add_argument("--input", type=Path, required=True, help="conversations or prompts (.jsonl/.json/.parquet/folder)")
     ap.add_argument("--output", type=Path, required=True, help="JSONL to append to (resumed if it exists)")
     ap.add_argument("--model", help="local HF model folder (no server)")
     ap.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000")
@@ -257,28 +316,16 @@ def main(argv=None):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
     thinking = {"on": True, "off": False, "auto": None}[args.thinking]
 
+    prompts, skipped, dupes = read_prompts(args.input, args.turns, args.limit)
     done = read_done(args.output)
-    todo, bad, seen = [], 0, set(done)
-    try:
-        lines = args.input.read_bytes().splitlines()
-    except OSError as e:
-        raise SystemExit(f"cannot read prompts file {args.input}: {e}")
-    for n, line in enumerate(lines[: args.limit or None], 1):
-        try:
-            row = json.loads(line)
-            history, users = prompt_turns(row, args.turns)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-            bad += 1
-            if bad <= 5:
-                print(f"regenerate: skipping {args.input}:{n}: {e}", file=sys.stderr)
-            continue
-        rid = row_id(row)
-        if rid not in seen:
-            seen.add(rid)
-            todo.append((row, history, users))
-    print(f"regenerate: {len(done):,} already done, {len(todo):,} to do, {bad:,} unreadable rows skipped")
+    todo = [p for p in prompts if row_id(p[0]) not in done]
+    why = ", ".join(f"{r} {n:,}" for r, n in skipped.most_common())
+    print(f"regenerate: {len(prompts) - len(todo):,} already done, {len(todo):,} to do, "
+          f"{skipped.total():,} unreadable rows skipped{f' ({why})' if why else ''}, {dupes:,} duplicate ids")
+    counts = {"done_before": len(prompts) - len(todo), "todo": len(todo), "skipped": dict(skipped),
+              "duplicates": dupes, "failed": 0}
     if not todo:
-        return
+        return counts
     from tqdm import tqdm
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     sink = Sink(args.output)
@@ -291,7 +338,11 @@ def main(argv=None):
                               args.timeout)
         run_http(backend, todo, sink, args.concurrency, args.retries, bar.update)
     bar.close()
-    print(f"regenerate: wrote {args.output}")
+    sink.close()
+    counts["failed"] = sink.n_failed
+    print(f"regenerate: wrote {args.output}" + (f"; {counts['failed']:,} failed, see {args.output}.errors.jsonl"
+                                                 if counts["failed"] else ""))
+    return counts
 
 
 if __name__ == "__main__":

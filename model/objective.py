@@ -133,10 +133,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return gh, gW, None, None, None
 
 
-def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096) -> LossParts:
+def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=None) -> LossParts:
     """hidden [M, H], lm_head_weight [V, H], labels [M], weights [M]. Rows with weight 0 never reach the lm_head.
-    chunk_size=0: the plain unchunked reference (full [rows, V] logits)."""
-    rows = (weights > 0).nonzero().squeeze(1)                                    # [R]
+    chunk_size=0: the plain unchunked reference (full [rows, V] logits). rows: the indices of weights > 0 when the
+    caller planned them on the CPU (finding them here on a GPU is a device-to-host sync)."""
+    if rows is None:
+        rows = (weights > 0).nonzero().squeeze(1)                                # [R]
     h, y, w = hidden[rows], labels[rows], weights[rows]
     if chunk_size:
         if not torch.is_grad_enabled():   # eval: the Function would otherwise compute gradients nobody reads

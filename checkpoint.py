@@ -1,0 +1,172 @@
+"""Checkpoints: atomic save, keep the last K, find the newest complete one, verify before load.
+
+Layout of OUT_DIR/checkpoints/step_NNNNNN/:
+    state.pt         drafter (fp32 master weights), optimizer, step, data position, RNG states
+    meta.json        small and human-readable: step, next_g, dataset fingerprint, config, environment
+    drafter/         the serving-format drafter (config.json + model.safetensors), loadable by SGLang / vLLM
+    MANIFEST.json    size and sha256 of every file above; written last
+
+A folder is written as `.tmp-step_NNNNNN` and renamed when MANIFEST.json is on disk, so a crash or SIGKILL
+mid-write never leaves something that looks like a checkpoint; a truncated or edited file fails its checksum.
+"""
+import errno
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_last: int) -> Path:
+    """Write checkpoint `step` atomically; `write_drafter(folder)` writes the serving export.
+    Raises CheckpointError (disk full or other OS error) after removing the partial folder; older checkpoints
+    are untouched."""
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        write_drafter(tmp / "drafter")
+        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / "MANIFEST.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_complete(root, quiet=True)
+        why = "the disk is full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+        raise CheckpointError(
+            f"could not save checkpoint step {step} in {root}: {why}. Partial files were removed; "
+            + (f"the previous checkpoint {prev} is intact." if prev else "no earlier checkpoint exists.")
+            + " Free space (or point OUT_DIR elsewhere) and resume with RESUME=auto.") from e
+    prune(root, keep_last)
+    return final
+
+
+def prune(root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in Path(root).glob(".tmp-*"):  # left by a killed writer
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Renamed (complete-looking) checkpoint folders, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def verify(path: Path, deep: bool = True) -> None:
+    """Raise CheckpointError naming what is wrong: missing manifest, missing file, wrong size or checksum."""
+    path = Path(path)
+    man = path / "MANIFEST.json"
+    if not man.exists():
+        raise CheckpointError(f"{path} has no MANIFEST.json: it was never completed")
+    try:
+        files = json.loads(man.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{man} is unreadable ({e})") from e
+    for name, info in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{path}: file {name} is missing")
+        if f.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path}: {name} has {f.stat().st_size} bytes, expected {info['bytes']} (truncated?)")
+        if deep and _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"{path}: {name} fails its sha256 check (corrupted)")
+
+
+def latest_complete(root: Path, quiet: bool = False, log=print) -> Path | None:
+    """Newest checkpoint that passes `verify`; broken ones are reported and skipped."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            if not quiet:
+                log(f"WARNING: skipping broken checkpoint: {e}")
+    return None
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def load_state(path: Path, map_location="cpu") -> dict:
+    verify(path)
+    return torch.load(Path(path) / "state.pt", map_location=map_location, weights_only=False)
+
+
+def environment() -> dict:
+    """What a run needs to be reproduced; never the process environment (it holds tokens)."""
+    import transformers
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+           "python": platform.python_version(), "host": socket.gethostname(), "git": git_revision()}
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            env["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                                "--format=csv,noheader"], capture_output=True, text=True,
+                                               timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return env
+
+
+def git_revision() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"

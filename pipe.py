@@ -1,0 +1,287 @@
+"""Target -> drafter transport, and the watchdog that turns any dead or stuck rank into a quick, named exit.
+
+A micro-batch crosses as a `Packet`: a small int64 header over the gloo control group (so the receiver learns
+the shapes on the CPU without a GPU sync), then the payload tensors over the data group (NCCL on GPU, gloo on
+CPU). Both ends walk their micro-batches in increasing global index `g`, so blocking transfers cannot deadlock.
+"""
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEADER_LEN = 6  # [magic, g, num_seqs, num_tokens, feature_dim, dtype code]
+MAGIC = 0xDF1A5
+
+
+@dataclass
+class Packet:
+    g: int                   # global micro-batch index
+    lengths: torch.Tensor    # [b] long, tokens per sequence
+    input_ids: torch.Tensor  # [T] long, packed (CPU on the drafter side)
+    loss_mask: torch.Tensor  # [T] uint8, packed (CPU on the drafter side)
+    features: torch.Tensor   # [T, K*H] on the device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+# --- transfers --------------------------------------------------------------------------------------------------------
+
+def send_packet(p: Packet, dst: int, ctrl, data) -> None:
+    header = torch.tensor([MAGIC, p.g, p.lengths.numel(), p.num_tokens, p.features.shape[-1],
+                           DTYPES.index(p.features.dtype)], dtype=torch.long)
+    dist.send(header, dst, group=ctrl)
+    # ids, mask and lengths are small and the drafter plans its blocks from them on the CPU: they go by gloo
+    small = torch.cat([p.lengths.cpu(), p.input_ids.cpu().long(), p.loss_mask.cpu().long()])   # [b + 2T]
+    dist.send(small, dst, group=ctrl)
+    dist.send(p.features.contiguous(), dst, group=data)
+
+
+def recv_packet(src: int, ctrl, data, device) -> Packet:
+    header = torch.empty(HEADER_LEN, dtype=torch.long)
+    dist.recv(header, src, group=ctrl)
+    magic, g, b, T, F, code = header.tolist()
+    if magic != MAGIC:
+        raise RuntimeError(f"corrupt packet header from rank {src}: {header.tolist()}")
+    small = torch.empty(b + 2 * T, dtype=torch.long)
+    dist.recv(small, src, group=ctrl)
+    features = torch.empty(T, F, dtype=DTYPES[code], device=device)
+    dist.recv(features, src, group=data)
+    return Packet(g, small[:b], small[b:b + T], small[b + T:].to(torch.uint8), features)
+
+
+class Sender(threading.Thread):
+    """Target side: sends queued (dst, packet) pairs in order, on its own CUDA stream so compute keeps going."""
+
+    def __init__(self, ctrl, data, depth, watchdog):
+        super().__init__(daemon=True, name="sender")
+        self.q = queue.Queue(maxsize=depth)
+        self.ctrl, self.data, self.watchdog = ctrl, data, watchdog
+        self.sent = 0
+        self.tokens = 0
+
+    def put(self, dst: int, p: Packet) -> None:
+        ready = None
+        if p.features.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self.q.put((dst, p, ready))
+
+    def run(self):
+        try:
+            stream = torch.cuda.Stream() if torch.cuda.is_available() and self.data is not None and \
+                dist.get_backend(self.data) == "nccl" else None
+            while True:
+                dst, p, ready = self.q.get()
+                self.watchdog.state = f"sending g={p.g} to rank {dst}"
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        send_packet(p, dst, self.ctrl, self.data)
+                    stream.synchronize()  # the payload must outlive the transfer
+                else:
+                    send_packet(p, dst, self.ctrl, self.data)
+                self.sent += 1
+                self.tokens += p.num_tokens
+                self.watchdog.progress()
+        except Exception as e:  # noqa: BLE001 - any failure here ends the job with a reason
+            self.watchdog.fail(f"sender thread: {type(e).__name__}: {e}", traceback.format_exc())
+
+
+class Receiver(threading.Thread):
+    """Drafter side: receives its micro-batches `(g, src)` in order into a bounded queue (`q_hs`)."""
+
+    def __init__(self, schedule, ctrl, data, device, depth, watchdog, prepare):
+        super().__init__(daemon=True, name="receiver")
+        self.schedule = schedule  # iterator of (g, src)
+        self.prepare = prepare    # Packet -> what the training step consumes (anchors, blocks, masks), built here
+        #                           so the main thread's GPU stream never waits on this CPU work
+        self.q = queue.Queue(maxsize=depth)
+        self.ctrl, self.data, self.device, self.watchdog = ctrl, data, device, watchdog
+
+    def run(self):
+        try:
+            cuda = self.device.type == "cuda"
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            for g, src in self.schedule:
+                self.watchdog.recv_state = f"waiting for g={g} from rank {src}"
+                if cuda:
+                    with torch.cuda.stream(stream):
+                        p = recv_packet(src, self.ctrl, self.data, self.device)
+                        self._check(p, g, src)
+                        item = self.prepare(p)
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                else:
+                    p = recv_packet(src, self.ctrl, self.data, self.device)
+                    self._check(p, g, src)
+                    item, done = self.prepare(p), None
+                self.watchdog.recv_state = f"received g={g}"
+                self.q.put((item, done))
+        except Exception as e:  # noqa: BLE001
+            self.watchdog.fail(f"receiver thread: {type(e).__name__}: {e}", traceback.format_exc())
+
+    @staticmethod
+    def _check(p, g, src):
+        if p.g != g:
+            raise RuntimeError(f"expected micro-batch g={g} from rank {src}, got g={p.g}: the ranks disagree on "
+                               f"the plan (different config or dataset?)")
+
+    def get(self):
+        item, done = self.q.get()
+        if done is not None:  # written on the receiver's stream: order it before this stream's use and free
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(done)
+            for t in item.device_tensors():
+                t.record_stream(cur)
+        return item
+
+
+# --- watchdog ---------------------------------------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # zombie = dead but unreaped
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class Watchdog(threading.Thread):
+    """One per rank. Every `interval` s: publish a heartbeat, our state and stats to the c10d store; end this
+    process if another rank reported a failure, if a rank on this host is gone, if a rank's heartbeat stopped for
+    `heartbeat_timeout` s, or if no rank made progress for `stall_timeout` s once training runs. The first rank to
+    see a problem writes the reason under `abort`, so every survivor prints the same line."""
+
+    def __init__(self, store, rank, world, roles, heartbeat_timeout, stall_timeout, interval=1.0, log=print):
+        super().__init__(daemon=True, name="watchdog")
+        self.store, self.rank, self.world, self.roles = store, rank, world, roles
+        self.heartbeat_timeout, self.stall_timeout, self.interval, self.log = (
+            heartbeat_timeout, stall_timeout, interval, log)
+        self.state = "starting"
+        self.recv_state = ""
+        self.stats = {}            # role-specific numbers for the status line (queue depth, counters)
+        self.steady = False        # stall detection only once training runs (start-up can take minutes)
+        self._beats = 0
+        self._progress = 0
+        self._seen = {}            # rank -> (last heartbeat value, local time it changed)
+        self._seen_progress = {}   # rank -> (last progress value, local time it changed)
+        self._peers = {}           # rank -> (host, pid)
+        self.on_abort = []         # callbacks run before exit (flush logs)
+
+    def who(self, r: int) -> str:
+        return f"rank {r} ({self.roles[r]})"
+
+    def progress(self):
+        self._progress += 1
+
+    def start(self):
+        self.store.set(f"pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        super().start()
+
+    # -- ending the job --
+    def fail(self, reason: str, detail: str = "") -> None:
+        """This rank cannot go on: publish why, print it, exit non-zero."""
+        msg = f"{self.who(self.rank)}: {reason}"
+        try:
+            self.store.compare_set("abort", "", msg)
+        except Exception:  # noqa: BLE001 - the store may be gone too; we still exit
+            pass
+        self._exit(msg, detail)
+
+    def _exit(self, msg, detail=""):
+        if detail:
+            print(detail, file=sys.stderr, flush=True)
+        self.log(f"ABORT: {msg} -- ending the job")
+        for cb in self.on_abort:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _check_abort(self):
+        if self.store.check(["abort"]):
+            msg = self.store.get("abort").decode()
+            if msg:
+                self._exit(f"stopping because {msg}")
+
+    # -- the loop --
+    def run(self):
+        while True:
+            try:
+                self._beat()
+            except Exception as e:  # noqa: BLE001 - a lost store means the agent or rank 0's host is gone
+                self._exit(f"{self.who(self.rank)}: lost the rendezvous store ({type(e).__name__}: {e}); "
+                           f"the launcher or another node is gone")
+            time.sleep(self.interval)
+
+    def _beat(self):
+        self._beats += 1
+        now = time.monotonic()
+        state = self.state + (f"; receiver {self.recv_state}" if self.recv_state else "")
+        self.store.set(f"hb/{self.rank}", json.dumps({"beat": self._beats, "progress": self._progress,
+                                                      "steady": self.steady, "state": state, **self.stats}))
+        self._check_abort()
+        host = socket.gethostname()
+        others = [r for r in range(self.world) if r != self.rank]
+        if not self._peers:
+            if not self.store.check([f"pid/{r}" for r in others]):
+                return
+            for r in others:
+                h, pid = self.store.get(f"pid/{r}").decode().split()
+                self._peers[r] = (h, int(pid))
+        for r in others:
+            h, pid = self._peers[r]
+            if h == host and not _pid_alive(pid):
+                self._abort_for(f"{self.who(r)} died (process {pid} is gone: killed, crashed or out of memory)")
+        beats = self.peer_states(others)
+        for r, info in beats.items():
+            if info is None:
+                continue
+            last, t = self._seen.get(r, (None, now))
+            if info["beat"] != last:
+                self._seen[r] = (info["beat"], now)
+            elif now - t > self.heartbeat_timeout:
+                self._abort_for(f"{self.who(r)} sent no heartbeat for {now - t:.0f}s (host down or frozen)")
+        if not self.steady:
+            return
+        progress = {r: i["progress"] for r, i in beats.items() if i is not None}
+        progress[self.rank] = self._progress
+        for r, p in progress.items():
+            if self._seen_progress.get(r, (None,))[0] != p:
+                self._seen_progress[r] = (p, now)
+        newest = max(t for _, t in self._seen_progress.values())
+        if now - newest > self.stall_timeout:
+            beats[self.rank] = {"state": state}
+            states = "; ".join(f"{self.who(r)}: {i['state']}" for r, i in sorted(beats.items()) if i)
+            self._abort_for(f"no rank made progress for {now - newest:.0f}s (STALL_TIMEOUT={self.stall_timeout:g}); "
+                            f"states: {states}")
+
+    def _abort_for(self, msg):
+        try:
+            self.store.compare_set("abort", "", msg)
+            msg = self.store.get("abort").decode() or msg
+        except Exception:  # noqa: BLE001
+            pass
+        self._exit(msg)
+
+    def peer_states(self, ranks=None) -> dict:
+        ranks = list(range(self.world)) if ranks is None else ranks
+        keys = [f"hb/{r}" for r in ranks]
+        out = {}
+        for r, k in zip(ranks, keys):
+            out[r] = json.loads(self.store.get(k)) if self.store.check([k]) else None
+        return out

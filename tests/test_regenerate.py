@@ -1,0 +1,317 @@
+"""data/regenerate.py: input parsing shared with training, resume without duplicates, torn-line repair, retries and
+the errors file, through a fake OpenAI-compatible server on loopback and through local `generate` on a tiny random
+Llama with the SmolLM2 tokenizer. CPU, a few seconds."""
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from data import regenerate as regen
+from data.chat import RowError, normalize_messages
+
+SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    """rows: dicts (dumped) or raw bytes lines (written as they are)."""
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    monkeypatch.setattr(regen, "RETRY_BACKOFF_S", 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parsing: the same formats and reasons as training
+
+SYSTEM = {"role": "system", "content": "Be terse."}
+CHAT = [SYSTEM, user("q1"), assistant("a1"), user("q2"), assistant("a2")]
+
+
+def test_prompt_agrees_with_training():
+    sharegpt = {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                   "value": m["content"]} for m in CHAT]}
+    for row in ({"messages": CHAT}, sharegpt):
+        history, asks = regen.prompt_turns(row, "last")
+        assert history + asks == normalize_messages(row)[:-1]
+        assert regen.prompt_turns(row, "all") == ([SYSTEM], [user("q1"), user("q2")])
+    empty_answer = {"messages": [user("q"), assistant("")]}  # the answer slot of a prompt file: not read
+    assert regen.prompt_turns(empty_answer, "all") == ([], [user("q")])
+    tool = {"messages": [user("w?"), {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+            "function": {"name": "wx", "arguments": {}}}]}, {"role": "tool", "content": "sunny"}, assistant("old")]}
+    history, asks = regen.prompt_turns(tool, "last")
+    assert [m["role"] for m in history] == ["user", "assistant"] and asks == [{"role": "tool", "content": "sunny"}]
+
+
+@pytest.mark.parametrize("row, reason", [
+    ("[1, 2]", "malformed_json"),
+    ({"text": "hi"}, "missing_messages"),
+    ({"messages": []}, "missing_messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role"),
+    ({"messages": [user(" ")]}, "empty_content"),
+    ({"messages": [user(["x"])]}, "non_string_content"),
+    ({"messages": [assistant("a")]}, "no_user_turn"),
+    ({"messages": [SYSTEM]}, "no_user_turn"),
+    ({"messages": [user("w?"), {"role": "tool", "content": "sunny"}]}, "tool_turns"),  # turns=all only
+])
+def test_prompt_row_errors(row, reason):
+    with pytest.raises(RowError) as e:
+        regen.prompt_turns(json.loads(row) if isinstance(row, str) else row, "all")
+    assert e.value.reason == reason
+
+
+def test_unreadable_rows_skipped_and_missing_input(tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "ok", "messages": [user("hi")]},
+        b'{"id": "torn", "messages": [',
+        b"",
+        b'{"id": "latin1", "messages": [{"role": "user", "content": "caf\xe9"}]}',
+        {"id": "role", "messages": [{"role": "wizard", "content": "x"}]},
+        {"id": "ok", "messages": [user("again")]},
+    ])
+    prompts, skipped, dupes = regen.read_prompts(inp, "all")
+    assert [regen.row_id(p[0]) for p in prompts] == ["ok"]
+    assert skipped == {"malformed_json": 1, "bad_encoding": 1, "unknown_role": 1} and dupes == 1
+    assert f"{inp}:2" in capsys.readouterr().err  # the file:line of a skipped row is shown
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(SystemExit, match="nope.jsonl"):
+        regen.main(["--input", str(missing), "--output", str(tmp_path / "o.jsonl"), "--endpoint", "http://127.0.0.1:9"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTTP backend against a fake OpenAI-compatible server
+
+def answer(text: str) -> str:
+    return "re:" + hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+class FakeServer:
+    """/v1/chat/completions answering `answer(last user content)`. Requests are counted per conversation (its first
+    user turn); `fail_once` prompts get one HTTP 500 first, `fail_always` prompts only 500s; "long" prompts end
+    with finish_reason "length"."""
+
+    def __init__(self):
+        self.requests, self.bodies = Counter(), []
+        self.fail_once, self.fail_always = {"flaky"}, {"broken"}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                users = [m["content"] for m in body["messages"] if m["role"] == "user"]
+                with server.lock:
+                    server.bodies.append(body)
+                    server.requests[users[0]] += 1
+                    fail = users[0] in server.fail_always or (users[0] in server.fail_once
+                                                              and server.requests[users[0]] == 1)
+                if self.path != "/v1/chat/completions" or fail:
+                    self.send_error(500 if fail else 404)
+                    return
+                reply = {"choices": [{"message": {"role": "assistant", "content": " " + answer(users[-1]) + "\n"},
+                                      "finish_reason": "length" if "long" in users[-1] else "stop"}]}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.httpd.shutdown()
+    s.httpd.server_close()
+
+
+NOID = {"messages": [user("noid")]}
+PROMPTS = [
+    {"id": "a", "category": "x", "messages": [user("alpha")]},
+    {"id": "b", "messages": CHAT},                                             # multi-turn with a system prompt
+    {"id": "c", "conversations": [{"from": "human", "value": "gamma"}, {"from": "gpt", "value": "old"}]},
+    {"id": "flaky", "messages": [user("flaky")]},                              # 500 on its first request
+    {"id": "broken", "messages": [user("broken")]},                            # always 500
+    {"id": "long", "messages": [user("long")]},                                # finish_reason "length"
+    NOID,                                                                      # id from the content hash
+    b'{"id": "bad", "messages": [',                                            # unreadable: skipped, counted
+    {"id": "a", "messages": [user("alpha again")]},                            # duplicate id: answered once
+]
+NOID_ID = regen.row_id(NOID)
+
+
+def run(inp, out, server, *extra, retries=2):
+    return regen.main(["--input", str(inp), "--output", str(out), "--endpoint", server.url, "--concurrency", "4",
+                       "--retries", str(retries), *extra])
+
+
+def by_id(out: Path) -> dict:
+    rows = read_jsonl(out)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), f"duplicate ids in {out}: {ids}"
+    return {r["id"]: r for r in rows}
+
+
+def test_http_resume_retry_errors_torn_line(tmp_path, server):
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS), tmp_path / "regen.jsonl"
+    errors = Path(str(out) + ".errors.jsonl")
+    counts = run(inp, out, server)
+    assert counts == {"done_before": 0, "todo": 7, "skipped": {"malformed_json": 1}, "duplicates": 1, "failed": 1}
+    rows = by_id(out)
+    assert set(rows) == {"a", "b", "c", "flaky", "long", NOID_ID}
+    assert rows["a"]["messages"] == [user("alpha"), assistant(answer("alpha"))] and rows["a"]["category"] == "x"
+    assert rows["b"]["messages"] == [SYSTEM, user("q1"), assistant(answer("q1")), user("q2"), assistant(answer("q2"))]
+    assert rows["b"]["finish_reasons"] == ["stop", "stop"] and rows["long"]["finish_reasons"] == ["length"]
+    assert rows["c"]["messages"] == [user("gamma"), assistant(answer("gamma"))] and "conversations" not in rows["c"]
+    assert [e["id"] for e in read_jsonl(errors)] == ["broken"]
+    assert server.requests == {"alpha": 1, "q1": 2, "gamma": 1, "flaky": 2, "broken": 2, "long": 1, "noid": 1}
+    assert not any("chat_template_kwargs" in b for b in server.bodies)  # --thinking auto sends nothing
+
+    # rerun: the done prompts cost no request, the failed one is tried again (and now succeeds)
+    before = Counter(server.requests)
+    server.fail_always.clear()
+    counts = run(inp, out, server)
+    assert counts["done_before"] == 6 and counts["todo"] == 1 and counts["failed"] == 0
+    assert server.requests - before == {"broken": 1}
+    assert set(by_id(out)) == {"a", "b", "c", "flaky", "long", "broken", NOID_ID}
+
+    # torn last line: row "c" killed mid-write -> the fragment is cut off and "c" is redone, once
+    lines = out.read_bytes().splitlines(keepends=True)
+    torn = next(line for line in lines if json.loads(line)["id"] == "c")
+    out.write_bytes(b"".join(line for line in lines if line != torn) + torn[: len(torn) // 2])
+    before = Counter(server.requests)
+    counts = run(inp, out, server)
+    assert counts["todo"] == 1 and server.requests - before == {"gamma": 1}
+    assert set(by_id(out)) == {"a", "b", "c", "flaky", "long", "broken", NOID_ID}
+    assert run(inp, out, server)["todo"] == 0  # and nothing left to do
+
+    # a bad line that is not the last one is not cut (the rows after it would go too): a clear stop instead
+    good = out.read_bytes()
+    out.write_bytes(b'{"id": "x", "mess\n' + good)
+    with pytest.raises(SystemExit, match="regen.jsonl:1 "):
+        run(inp, out, server)
+    assert out.read_bytes() == b'{"id": "x", "mess\n' + good
+
+
+def test_http_turns_last(tmp_path, server):
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:3]), tmp_path / "regen.jsonl"
+    run(inp, out, server, "--turns", "last")
+    rows = by_id(out)
+    assert rows["b"]["messages"] == CHAT[:-1] + [assistant(answer("q2"))]  # the history is kept verbatim
+    assert rows["b"]["finish_reasons"] == ["stop"]
+    assert rows["c"]["messages"] == [user("gamma"), assistant(answer("gamma"))]
+    assert server.requests == {"alpha": 1, "q1": 1, "gamma": 1}  # one request per conversation
+
+
+@pytest.mark.parametrize("thinking, sent", [("on", {"enable_thinking": True}), ("off", {"enable_thinking": False}),
+                                            ("auto", None)])
+def test_http_thinking_switch(tmp_path, server, thinking, sent):
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:1]), tmp_path / "regen.jsonl"
+    server.url += "/v1"  # an endpoint given with its /v1 works too
+    run(inp, out, server, "--thinking", thinking, "--served-model", "tgt", "--max-new-tokens", "7")
+    (body,) = server.bodies
+    assert body.get("chat_template_kwargs") == sent
+    assert (body["model"], body["max_tokens"], body["temperature"]) == ("tgt", 7, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# local backend
+
+class FakeLocal:
+    """generate() answers each conversation with its turn count; a batch holding "boom" raises (a template error)."""
+
+    def __init__(self):
+        self.batches = []
+
+    def generate(self, batch):
+        self.batches.append(len(batch))
+        if any(m["content"] == "boom" for conv in batch for m in conv):
+            raise RuntimeError("template error")
+        return [(f"turn{len(conv) // 2}", "stop") for conv in batch]
+
+
+def test_local_batch_failure_fails_one_row(tmp_path):
+    prompts = [({"id": i}, [], [user(q) for q in qs]) for i, qs in enumerate([["x"], ["boom"], ["y", "z"], ["w"]])]
+    sink = regen.Sink(tmp_path / "o.jsonl")
+    regen.run_local(FakeLocal(), prompts, sink, batch_size=4, retries=2, progress=lambda n: None)
+    sink.close()
+    rows = by_id(tmp_path / "o.jsonl")
+    assert set(rows) == {"0", "2", "3"} and sink.n_failed == 1
+    assert rows["2"]["messages"] == [user("y"), assistant("turn0"), user("z"), assistant("turn1")]
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm2(tmp_path_factory):
+    """A random 1-layer Llama (hidden 16) with the real SmolLM2 tokenizer and chat template."""
+    if not (SMOLLM2_DIR / "tokenizer.json").exists():
+        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("tiny_smollm2")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                      initializer_range=0.5)  # large weights: clear argmax margins, so greedy is batch-independent
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(SMOLLM2_DIR / name, out)
+    return out
+
+
+def test_local_resume_matches_fresh_run(tmp_path, tiny_smollm2):
+    inp = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"id": "p0", "messages": [user("What is AI?")]},
+        {"id": "p1", "messages": CHAT},
+        {"id": "p2", "conversations": [{"from": "human", "value": "Tell me a joke about cats, please."}]},
+        {"id": "p3", "messages": [user("Hi")]},
+        {"id": "p4", "messages": [user("Name three colors."), assistant("old"), user("And two more?")]},
+    ])
+
+    def local(out, *extra):
+        return regen.main(["--input", str(inp), "--output", str(out), "--model", str(tiny_smollm2), "--device", "cpu",
+                           "--max-new-tokens", "4", "--batch-size", "2", *extra])
+
+    fresh, resumed = tmp_path / "fresh.jsonl", tmp_path / "resumed.jsonl"
+    local(fresh)
+    assert local(resumed, "--limit", "3")["todo"] == 3  # "interrupted" after 3 prompts
+    counts = local(resumed)
+    assert counts["done_before"] == 3 and counts["todo"] == 2
+    fresh_rows, resumed_rows = by_id(fresh), by_id(resumed)
+    assert set(resumed_rows) == {f"p{i}" for i in range(5)}
+    assert resumed_rows == fresh_rows  # greedy: the same answers whatever the batches were
+    p1 = resumed_rows["p1"]["messages"]
+    assert [m["role"] for m in p1] == ["system", "user", "assistant", "user", "assistant"]
+    assert [p1[1]["content"], p1[3]["content"]] == ["q1", "q2"] and len(resumed_rows["p1"]["finish_reasons"]) == 2
+    assert all(r in ("stop", "length") for row in resumed_rows.values() for r in row["finish_reasons"])

@@ -1,0 +1,920 @@
+"""Train a DFlash drafter in one torchrun job: target ranks run the frozen target and stream hidden states to
+drafter ranks, which train the drafter with DDP among themselves. No external services.
+
+    bash launch.sh                                                     # the usual way (tmux, log, allocator)
+    torchrun --nproc-per-node 8 train_dflash.py --TARGET=/models/Qwen3-8B --DATA=/data/prepared --TARGET_RANKS=5
+    python train_dflash.py --MAX_STEPS=20                              # one process: target and drafter in turn
+
+Every constant below can be overridden as --NAME=VALUE. The final values are printed, saved in OUT_DIR/run.json
+and in every checkpoint.
+"""
+import contextlib
+import difflib
+import hashlib
+import json
+import math
+import os
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+# --- what to train --------------------------------------------------------------------------------------------------
+TARGET = ""                 # local HF folder of the frozen target; "" = SmolLM2-135M-Instruct (python -m tools.smollm2)
+DATA = ""                   # prepared dataset folder (python -m data.prepare); "" = data/default/smollm2
+OUT_DIR = "runs/dflash"     # checkpoints/, metrics.jsonl, run.json (launch.sh adds train.log)
+NUM_DRAFT_LAYERS = 5        # L, drafter decoder layers
+TARGET_LAYER_IDS = ""       # comma list of target layers to tap, e.g. "1,9,17,25,33"; "" = spread NUM_TAPS evenly
+NUM_TAPS = 0                # K when TARGET_LAYER_IDS is "": 0 = NUM_DRAFT_LAYERS
+BLOCK_SIZE = 16             # B, tokens per block: the anchor + B-1 drafted
+MASK_TOKEN_ID = -1          # -1 = first unused id past the tokenizer (or an unused special token)
+SLIDING_WINDOW_LAYERS = 0   # last S drafter layers use sliding-window attention (causal inside the block)
+SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config value
+
+# --- objective ------------------------------------------------------------------------------------------------------
+MAX_ANCHORS = 512           # blocks per micro-batch (anchors sampled without replacement, fresh every step)
+MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
+GAMMA = 7.0                 # loss weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
+NOISE = 0.0                 # uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
+CE_CHUNK = 4096             # rows of [rows, vocab] logits alive at once in the loss (0 = unchunked, tests only)
+
+# --- data -----------------------------------------------------------------------------------------------------------
+TOKEN_BUDGET = 16384        # tokens per micro-batch, padding included (target forward is [b, S] padded)
+MAX_BATCH_SIZE = 64         # sequences per micro-batch
+EPOCHS = 6                  # passes over the data
+ALLOW_DATA_CHANGE = False   # resume even if the dataset changed (the LR schedule is re-planned over the new total)
+
+# --- optimisation ---------------------------------------------------------------------------------------------------
+GRAD_ACCUM = 1              # micro-batches per drafter rank per optimizer step
+LR = 6e-4                   # peak learning rate (AdamW, fp32 master weights)
+WARMUP_RATIO = 0.04         # fraction of the run spent in linear warmup, then cosine to 0
+WEIGHT_DECAY = 0.0          # AdamW weight decay (0.0 - 0.01)
+GRAD_CLIP = 1.0             # max global grad norm
+MAX_STEPS = 0               # optimizer steps of the run; 0 = EPOCHS over the data (the schedule spans the run)
+
+# --- topology and hardware --------------------------------------------------------------------------------------------
+TARGET_RANKS = 1            # the first TARGET_RANKS ranks run the target, the rest train the drafter
+DEVICE = "auto"             # auto | cuda | cpu
+DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
+ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
+Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
+Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
+SEND_DEPTH = 2              # feature tensors a target rank may have in flight
+
+# --- checkpoints, logging, failure ------------------------------------------------------------------------------------
+SAVE_EVERY = 500            # optimizer steps between checkpoints (also saved at the end and on SIGTERM/SIGINT)
+KEEP_LAST = 3               # checkpoints kept
+RESUME = "auto"             # auto (newest complete checkpoint in OUT_DIR, else start) | scratch | <checkpoint path>
+SEED = 0                    # drafter init, anchor sampling and noise (per micro-batch, so resume is exact)
+LOG_EVERY = 10              # optimizer steps between status lines
+LOG_SECONDS = 60.0          # ... or at most this many seconds
+HEARTBEAT_TIMEOUT = 30.0    # s without a heartbeat before a rank is declared dead
+STALL_TIMEOUT = 600.0       # s without progress on any rank (after start-up) before the job is ended
+TENSORBOARD = False         # also log to OUT_DIR/tb
+WANDB_PROJECT = ""          # also log to this W&B project ("" = off)
+DRY_RUN = False             # check the config and data, print the plan, exit before loading any model
+
+CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_")]
+REPO = Path(__file__).resolve().parent
+
+
+# --- configuration ----------------------------------------------------------------------------------------------------
+
+def parse_overrides(argv: list[str]) -> dict:
+    """--NAME=VALUE for the constants above; unknown names and wrong types are errors."""
+    g = globals()
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            sys.exit(f"error: arguments are --NAME=VALUE, got {arg!r}")
+        name, value = arg[2:].split("=", 1)
+        if name not in CONFIG_KEYS:
+            close = difflib.get_close_matches(name, CONFIG_KEYS, n=3)
+            sys.exit(f"error: unknown setting --{name}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+                     + f"; settings are the constants at the top of {Path(__file__).name}")
+        default = g[name]
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError
+                g[name] = value.lower() in ("1", "true", "yes")
+            else:
+                g[name] = type(default)(value)
+        except ValueError:
+            sys.exit(f"error: --{name}={value!r} is not a valid {type(default).__name__} (default: {default!r})")
+    return {k: g[k] for k in CONFIG_KEYS}
+
+
+def resolve_paths() -> None:
+    """Fill the embedded defaults: SmolLM2 from the cache, the shipped dataset."""
+    global TARGET, DATA
+    if not TARGET:
+        from tools.smollm2 import DEFAULT_CACHE
+        TARGET = str(DEFAULT_CACHE)
+        if not (DEFAULT_CACHE / "config.json").exists():
+            sys.exit(f"error: no TARGET given and the default SmolLM2 folder {DEFAULT_CACHE} does not exist: run "
+                     f"`python -m tools.smollm2` (launch.sh does) or pass --TARGET=/path/to/hf/model")
+    if not DATA:
+        DATA = str(REPO / "data" / "default" / "smollm2")
+
+
+def check_config(world: int) -> None:
+    """Contradictions a user can fix, reported before any model is loaded."""
+    errs = []
+    if world > 1 and not 1 <= TARGET_RANKS < world:
+        errs.append(f"TARGET_RANKS={TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
+                    f"(at least one drafter rank); launch more processes or lower TARGET_RANKS")
+    for name, lo in [("BLOCK_SIZE", 2), ("GRAD_ACCUM", 1), ("MAX_ANCHORS", 1), ("TOKEN_BUDGET", 2),
+                     ("MAX_BATCH_SIZE", 1), ("NUM_DRAFT_LAYERS", 1), ("EPOCHS", 1), ("KEEP_LAST", 0),
+                     ("SAVE_EVERY", 1), ("LOG_EVERY", 1), ("Q_PREFETCH", 1), ("Q_HS", 1), ("SEND_DEPTH", 1)]:
+        if globals()[name] < lo:
+            errs.append(f"{name}={globals()[name]} must be >= {lo}")
+    if GAMMA <= 0:
+        errs.append(f"GAMMA={GAMMA} must be > 0")
+    if not 0 <= WARMUP_RATIO < 1:
+        errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be in [0, 1)")
+    if LR <= 0 or NOISE < 0 or MAX_STEPS < 0 or CE_CHUNK < 0:
+        errs.append("LR must be > 0 and NOISE, MAX_STEPS, CE_CHUNK >= 0")
+    if DEVICE not in ("auto", "cuda", "cpu") or DTYPE not in ("auto", "bfloat16", "float32") or \
+            ATTN not in ("auto", "flex", "sdpa"):
+        errs.append(f"DEVICE={DEVICE!r} DTYPE={DTYPE!r} ATTN={ATTN!r}: allowed are auto|cuda|cpu, "
+                    f"auto|bfloat16|float32, auto|flex|sdpa")
+    if RESUME not in ("auto", "scratch") and not Path(RESUME).exists():
+        errs.append(f"RESUME={RESUME!r} is neither auto, scratch nor an existing checkpoint folder")
+    tgt = Path(TARGET).expanduser()
+    if not (tgt / "config.json").exists():
+        errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
+    else:
+        arch = json.loads((tgt / "config.json").read_text()).get("architectures") or []
+        if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
+            errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
+                        f"*ForCausalLM target")
+    if not Path(DATA).is_dir():
+        errs.append(f"DATA={DATA} is not a folder: prepare one with `python -m data.prepare --tokenizer "
+                    f"{TARGET} --out DIR INPUT.jsonl`")
+    if errs:
+        sys.exit("error: bad configuration:\n  - " + "\n  - ".join(errs))
+
+
+# --- distributed setup --------------------------------------------------------------------------------------------
+
+class Dist:
+    """Who this process is. One process (no torchrun) = target and drafter in turn, no transport."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        check_config(self.world)
+        self.colocated = self.world == 1
+        self.n_targets = 1 if self.colocated else TARGET_RANKS
+        self.n_drafters = 1 if self.colocated else self.world - TARGET_RANKS
+        self.is_target = self.colocated or self.rank < TARGET_RANKS
+        self.is_drafter = self.colocated or self.rank >= TARGET_RANKS
+        self.is_master = self.colocated or self.rank == TARGET_RANKS          # first drafter: logs and saves
+        self.drafter_index = 0 if self.colocated else self.rank - TARGET_RANKS
+        self.roles = ["target" if r < self.n_targets else "drafter" for r in range(self.world)]
+        self.role = "target+drafter" if self.colocated else self.roles[self.rank]
+        use_cuda = DEVICE == "cuda" or (DEVICE == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))   # ranks share the CPU
+        self.dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bfloat16": torch.bfloat16,
+                      "float32": torch.float32}[DTYPE]
+        self.flex = ATTN == "flex" or (ATTN == "auto" and use_cuda)
+        self.ctrl = self.data = self.drafters = self.store = None
+        if not self.colocated:
+            backend = "nccl" if use_cuda else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(seconds=max(1800.0, STALL_TIMEOUT)),
+                                    device_id=self.device if use_cuda else None)
+            assert dist.get_world_size() == self.world
+            self.data = dist.group.WORLD                                        # features: NCCL on GPU
+            self.ctrl = dist.new_group(backend="gloo")                          # headers and token ids: CPU
+            self.drafters = dist.new_group(list(range(self.n_targets, self.world)))  # DDP among drafters only
+            self.store = dist.distributed_c10d._get_default_store()
+
+    def __str__(self):
+        return (f"rank {self.rank}/{self.world} {self.role} on {self.device} ({self.dtype}, "
+                f"attention={'flex' if self.flex else 'sdpa'}) pid {os.getpid()}")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Phase:
+    """Prints a start-up phase as it begins and ends, so a user polling tmux knows where the job is."""
+
+    def __init__(self, d, name, watchdog=None):
+        self.d, self.name, self.watchdog = d, name, watchdog
+
+    def __enter__(self):
+        self.t = time.time()
+        if self.watchdog:
+            self.watchdog.state = self.name
+        log(f"[rank {self.d.rank} {self.d.role}] {self.name} ...")
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            log(f"[rank {self.d.rank} {self.d.role}] {self.name} done ({time.time() - self.t:.1f}s)")
+
+
+# --- data -----------------------------------------------------------------------------------------------------------
+
+class Data:
+    """The prepared dataset as flat numpy arrays (fast random access from any thread), rows that cannot train
+    dropped with a count per reason, and the batch plan."""
+
+    def __init__(self, path, vocab_rows, block_size):
+        import numpy as np
+        from datasets import load_from_disk
+        from data.batching import BatchPlan
+        try:
+            ds = load_from_disk(path)
+        except Exception as e:  # noqa: BLE001 - any unreadable folder gets the same advice
+            sys.exit(f"error: cannot load the dataset at DATA={path} ({type(e).__name__}: {e}); prepare it with "
+                     f"`python -m data.prepare`")
+        missing = {"input_ids", "loss_mask"} - set(ds.column_names)
+        if missing:
+            sys.exit(f"error: dataset {path} lacks column(s) {sorted(missing)}; prepare it with `python -m data.prepare`")
+        ids_col, mask_col = ds.data.column("input_ids").combine_chunks(), ds.data.column("loss_mask").combine_chunks()
+        self.offsets = ids_col.offsets.to_numpy().astype(np.int64)                        # [n+1]
+        self.ids = ids_col.flatten().to_numpy().astype(np.int64)                         # [tokens]
+        mask_offsets = mask_col.offsets.to_numpy().astype(np.int64)
+        self.mask = mask_col.flatten().to_numpy().astype(np.uint8)
+        n = len(self.offsets) - 1
+        lengths = np.diff(self.offsets)
+        h = hashlib.sha256()
+        for arr in (self.offsets, self.ids, self.mask):
+            h.update(np.ascontiguousarray(arr).tobytes())
+        self.content_hash = h.hexdigest()
+        self.num_rows = n
+
+        # rows that cannot train are dropped here, counted by reason, never met at step 10,000
+        reasons = {}
+        ok = np.ones(n, dtype=bool)
+
+        def drop(bad, why):
+            nonlocal ok
+            bad = bad & ok
+            if bad.any():
+                reasons[why] = int(bad.sum())
+                ok &= ~bad
+        drop(~(mask_offsets == self.offsets).all() * np.ones(n, bool) if len(mask_offsets) != len(self.offsets)
+             else np.diff(mask_offsets) != lengths, "loss_mask_length_differs")
+        row_of_token = np.repeat(np.arange(n), lengths)
+        bad_tok = np.zeros(n, dtype=bool)
+        bad_tok[row_of_token[(self.ids < 0) | (self.ids >= vocab_rows)]] = True
+        drop(bad_tok, f"token_id_outside_vocab_0..{vocab_rows - 1}")
+        drop(lengths > TOKEN_BUDGET, f"longer_than_TOKEN_BUDGET_{TOKEN_BUDGET}")
+        # valid anchor: mask[p] & mask[p+1] inside one row
+        pair = np.zeros(len(self.mask), dtype=bool)
+        if len(self.mask) > 1:
+            pair[:-1] = (self.mask[:-1] > 0) & (self.mask[1:] > 0)
+        last = self.offsets[1:] - 1
+        pair[last[last >= 0]] = False
+        has_anchor = np.zeros(n, dtype=bool)
+        has_anchor[row_of_token[pair]] = True
+        drop(~has_anchor, "no_two_consecutive_supervised_tokens")
+        self.dropped = reasons
+        self.rows = np.nonzero(ok)[0]                                                     # plan index -> row
+        if len(self.rows) == 0:
+            sys.exit(f"error: no trainable rows in {path} (dropped: {reasons})")
+        self.plan = BatchPlan(lengths[self.rows].tolist(), TOKEN_BUDGET, MAX_BATCH_SIZE, seed=SEED)
+
+    def batch(self, g):
+        """Padded CPU tensors of micro-batch g: input_ids, loss_mask, attention_mask [b, S]; lengths [b]."""
+        import torch
+        rows = self.rows[self.plan.batch(g)]
+        lens = [int(self.offsets[r + 1] - self.offsets[r]) for r in rows]
+        S = max(lens)
+        ids = torch.zeros(len(rows), S, dtype=torch.long)
+        mask = torch.zeros(len(rows), S, dtype=torch.uint8)
+        attn = torch.zeros(len(rows), S, dtype=torch.long)
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            a = self.offsets[r]
+            ids[i, :n] = torch.from_numpy(self.ids[a:a + n])
+            mask[i, :n] = torch.from_numpy(self.mask[a:a + n])
+            attn[i, :n] = 1
+        return ids, mask, attn, torch.tensor(lens, dtype=torch.long)
+
+
+# --- schedule -------------------------------------------------------------------------------------------------------
+
+class Schedule:
+    """Micro-batch g (global over epochs) is made by target g % n_targets and consumed by drafter
+    (g % per_step) % n_drafters in optimizer step g // per_step. The LR is a function of data progress g / total_g,
+    so it stays right when a run resumes with another target:drafter split."""
+
+    def __init__(self, num_batches, n_targets, n_drafters, start_g=0):
+        self.nb, self.T, self.D = num_batches, n_targets, n_drafters
+        self.per_step = n_drafters * GRAD_ACCUM
+        total = EPOCHS * num_batches
+        if MAX_STEPS:
+            total = min(total, start_g + MAX_STEPS * self.per_step) if start_g else min(total, MAX_STEPS * self.per_step)
+        self.total_g = start_g + (total - start_g) // self.per_step * self.per_step
+        if self.total_g <= start_g:
+            sys.exit(f"error: nothing to train: {num_batches} micro-batches per epoch x EPOCHS={EPOCHS} gives "
+                     f"{total} micro-batches but one optimizer step needs {self.per_step} (drafters x GRAD_ACCUM) "
+                     f"and the run starts at micro-batch {start_g}; add data, raise EPOCHS or lower TOKEN_BUDGET")
+
+    def producer(self, g):
+        return g % self.T
+
+    def consumer(self, g):  # drafter index
+        return (g % self.per_step) % self.D
+
+    def drafter_gs(self, d, start_g):
+        """The g's drafter d consumes, in order, from step start_g // per_step on."""
+        for s in range(start_g // self.per_step, self.total_g // self.per_step):
+            for m in range(GRAD_ACCUM):
+                yield s * self.per_step + m * self.D + d
+
+    def lr(self, g):
+        warm = WARMUP_RATIO * self.total_g
+        if g < warm:
+            return LR * (g + 1) / warm
+        return LR * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.total_g - warm))))
+
+
+def micro_seed(g: int) -> int:
+    """Anchors and noise of micro-batch g depend on (SEED, g) only: any split, any resume point, same draws."""
+    return (SEED * 1_000_003 + g) % (2 ** 63 - 1)
+
+
+# --- the target ranks -----------------------------------------------------------------------------------------------
+
+def target_features(target, ids, attn, device):
+    """[b, S] padded -> packed (lengths, input_ids, loss_mask on CPU; features [T, K*H] on device)."""
+    feats = target.features(ids.to(device, non_blocking=True), attn.to(device, non_blocking=True))  # [b, S, K*H]
+    keep = attn.bool()
+    return feats[keep.to(device)]                                                   # [T, K*H]
+
+
+def produce(d, data, sched, target, start_g, stop_g, watchdog):
+    """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre)."""
+    import torch
+    from pipe import Packet
+    q_pre = queue.Queue(maxsize=Q_PREFETCH)
+    mine = range(start_g + (d.rank - start_g) % d.n_targets if not d.colocated else start_g, sched.total_g,
+                 d.n_targets)
+
+    def prefetch():
+        try:
+            for g in mine:
+                ids, mask, attn, lens = data.batch(g)
+                if d.device.type == "cuda":
+                    ids, attn = ids.pin_memory(), attn.pin_memory()
+                q_pre.put((g, ids, mask, attn, lens))
+            q_pre.put(None)
+        except Exception as e:  # noqa: BLE001
+            if watchdog:
+                watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}")
+            raise
+    threading.Thread(target=prefetch, daemon=True, name="prefetch").start()
+    while True:
+        item = q_pre.get()
+        if item is None:
+            return
+        g, ids, mask, attn, lens = item
+        if g >= stop_g():
+            return
+        if watchdog:
+            watchdog.state = f"target forward g={g}"
+            watchdog.stats["q"] = q_pre.qsize()
+        keep = attn.bool()
+        feats = target_features(target, ids, attn, d.device)
+        yield Packet(g, lens, ids[keep], mask[keep], feats)
+
+
+# --- the drafter ranks --------------------------------------------------------------------------------------------
+
+class Prepared:
+    """A received micro-batch with its blocks and masks built, ready for one forward/backward."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def device_tensors(self):
+        ts = [self.features, self.ctx_pos, self.block_ids, self.block_pos, self.labels, self.weights, self.rows]
+        m = self.attn
+        ts += [t for t in (m.full, m.sliding) if isinstance(t, __import__("torch").Tensor)]
+        return ts
+
+
+def make_prepare(cfg, device, flex):
+    """Packet -> Prepared: anchors and blocks planned on the CPU from (SEED, g), moved to the device once."""
+    import torch
+    from model.objective import make_blocks, pack, sample_anchors
+
+    def prepare(p):
+        doc_ids, positions = pack(p.lengths)                                                    # [T], [T]
+        gen = torch.Generator().manual_seed(micro_seed(p.g))
+        anchors = sample_anchors(p.loss_mask, doc_ids, MAX_ANCHORS, gen, MIN_ANCHORS_PER_DOC)  # [N]
+        blk = make_blocks(p.input_ids, p.loss_mask, doc_ids, positions, anchors, cfg.block_size, GAMMA,
+                          cfg.mask_token_id)
+        w = blk.weights.flatten()                                                               # [N*B]
+        rows = (w > 0).nonzero().squeeze(1)                                                     # supervised slots
+        from model.attention import make_attn_spec
+        to = dict(device=device, non_blocking=True)
+        attn = make_attn_spec(blk.anchor_idx.to(**to), blk.anchor_doc.to(**to), doc_ids.to(**to), cfg.block_size,
+                              cfg.layer_types, cfg.sliding_window, flex)
+        return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features,
+                        ctx_pos=positions.to(**to), block_ids=blk.ids.flatten().to(**to),
+                        block_pos=blk.positions.flatten().to(**to), labels=blk.labels.flatten().to(**to),
+                        weights=w.to(**to), rows=rows.to(**to), attn=attn)
+    return prepare
+
+
+def load_frozen_io(path, device, dtype):
+    """The target's embedding and lm_head weights only (drafter ranks never load the whole target)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    path = Path(path)
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    found = {}
+    for f in files:
+        if not (path / f).exists():
+            continue
+        with safe_open(path / f, framework="pt") as sf:
+            for k in sf.keys():
+                if k.endswith("embed_tokens.weight") and "embed" not in found:
+                    found["embed"] = sf.get_tensor(k)
+                elif k == "lm_head.weight":
+                    found["head"] = sf.get_tensor(k)
+    if "embed" not in found:  # not safetensors, or unusual names: fall back to loading the model
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        found = {"embed": m.get_input_embeddings().weight.detach(), "head": m.get_output_embeddings().weight.detach()}
+    if "head" not in found:
+        assert getattr(cfg, "tie_word_embeddings", False) or True, "untied target without lm_head.weight"
+        found["head"] = found["embed"]                                                    # tied embeddings
+    embed = torch.nn.Embedding.from_pretrained(found["embed"].to(device, dtype), freeze=True)
+    return embed, found["head"].to(device, dtype).requires_grad_(False), cfg
+
+
+def fmt_eta(s):
+    if not math.isfinite(s):
+        return "?"
+    return f"{s / 86400:.1f}d" if s >= 86400 else f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m" if s >= 60 \
+        else f"{s:.0f}s"
+
+
+def fmt_k(x):
+    return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}K" if x >= 1e3 else f"{x:.0f}"
+
+
+class Metrics:
+    """metrics.jsonl (+ optional TensorBoard / W&B) on the master."""
+
+    def __init__(self, out_dir, config):
+        self.f = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        self.tb = self.wandb = None
+        if TENSORBOARD:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(out_dir / "tb"))
+        if WANDB_PROJECT:
+            import wandb
+            self.wandb = wandb.init(project=WANDB_PROJECT, config=config, dir=str(out_dir))
+
+    def write(self, row):
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        nums = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, row["step"])
+        if self.wandb:
+            self.wandb.log(nums, step=row["step"])
+
+    def flush(self):
+        self.f.flush()
+
+
+# --- main -----------------------------------------------------------------------------------------------------------
+
+def main(argv):
+    config = parse_overrides(argv)
+    resolve_paths()
+    config.update(TARGET=TARGET, DATA=DATA)
+    d = Dist()
+    log(f"[rank {d.rank} {d.role}] {d}")
+
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    import checkpoint as ckpt
+    from model.drafter import Drafter, DrafterConfig
+    from model.target import check_mask_token_id, default_mask_token_id
+    from pipe import Receiver, Sender, Watchdog
+
+    out_dir = Path(OUT_DIR)
+    ck_root = out_dir / "checkpoints"
+    watchdog = None
+    if not d.colocated:
+        watchdog = Watchdog(d.store, d.rank, d.world, d.roles, HEARTBEAT_TIMEOUT, STALL_TIMEOUT, log=log)
+        watchdog.start()
+
+    def fail(reason, detail=""):
+        if watchdog:
+            watchdog.fail(reason, detail)
+        print(detail, file=sys.stderr)
+        sys.exit(f"error: {reason}")
+
+    stop_flag = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop_flag.set()  # acted on at the next optimizer step boundary
+        log(f"[rank {d.rank} {d.role}] got {signal.Signals(signum).name}: saving a checkpoint at the next step")
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        # -- config that needs the target's config and tokenizer (no weights yet) --
+        hf_cfg = AutoConfig.from_pretrained(TARGET, local_files_only=True).get_text_config()
+        vocab_rows = hf_cfg.vocab_size
+        try:
+            tok = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
+        except (OSError, ValueError):
+            tok = None
+        mask_id = MASK_TOKEN_ID
+        if mask_id < 0:
+            if tok is None:
+                sys.exit(f"error: TARGET={TARGET} has no tokenizer, so MASK_TOKEN_ID cannot be chosen: pass "
+                         f"--MASK_TOKEN_ID=<an unused id below {vocab_rows}>")
+            mask_id = default_mask_token_id(tok, vocab_rows)
+        elif tok is not None:
+            try:
+                check_mask_token_id(mask_id, tok, vocab_rows)
+            except ValueError as e:
+                sys.exit(f"error: {e}")
+        elif not 0 <= mask_id < vocab_rows:
+            sys.exit(f"error: MASK_TOKEN_ID={mask_id} is outside the target's embedding (0..{vocab_rows - 1})")
+        layer_ids = [int(x) for x in TARGET_LAYER_IDS.split(",")] if TARGET_LAYER_IDS else None
+        try:
+            dcfg = DrafterConfig.from_target(hf_cfg, NUM_DRAFT_LAYERS, BLOCK_SIZE, mask_id, target_layer_ids=layer_ids,
+                                             num_taps=NUM_TAPS or None, sliding_window_layers=SLIDING_WINDOW_LAYERS,
+                                             sliding_window=SLIDING_WINDOW or None)
+        except AssertionError as e:
+            sys.exit(f"error: drafter config: {e}")
+        config.update(MASK_TOKEN_ID=mask_id, TARGET_LAYER_IDS=",".join(map(str, dcfg.target_layer_ids)))
+
+        with Phase(d, "load data", watchdog):
+            data = Data(DATA, vocab_rows, BLOCK_SIZE)
+
+        # -- where to start: checkpoint choice is made by the master and shared through the store --
+        resume_path = None
+        if d.is_master:
+            existing = ckpt.list_checkpoints(ck_root)
+            if RESUME == "scratch" and existing:
+                fail(f"RESUME=scratch but {ck_root} already holds checkpoints ({existing[-1].name}); nothing was "
+                     f"overwritten. Use RESUME=auto to continue, or another OUT_DIR")
+            elif RESUME == "auto":
+                resume_path = ckpt.latest_complete(ck_root, log=log)
+                if existing and resume_path is None:
+                    log(f"WARNING: no complete checkpoint among {len(existing)} in {ck_root}: starting from scratch")
+            elif RESUME != "scratch":
+                try:
+                    ckpt.verify(RESUME)
+                except ckpt.CheckpointError as e:
+                    fail(f"RESUME={RESUME}: {e}")
+                resume_path = Path(RESUME)
+            if d.store:
+                d.store.set("resume_path", str(resume_path or ""))
+        elif d.store:
+            resume_path = d.store.get("resume_path").decode() or None
+        meta = ckpt.read_meta(resume_path) if resume_path else None
+
+        start_g, step = 0, 0
+        if meta:
+            start_g, step = meta["next_g"], meta["step"]
+            old = meta["data"]
+            if old["content_hash"] != data.content_hash or old["num_batches"] != data.plan.num_batches:
+                what = (f"dataset changed since {resume_path}: it had {old['rows']} rows / {old['num_batches']} "
+                        f"micro-batches (hash {old['content_hash'][:12]}), now {data.num_rows} / "
+                        f"{data.plan.num_batches} (hash {data.content_hash[:12]})")
+                if not ALLOW_DATA_CHANGE:
+                    fail(what + ". Set --ALLOW_DATA_CHANGE=True to continue on the new data (the LR schedule "
+                                "is re-planned), or restore the old dataset")
+                # same fraction of the run on the new data
+                start_g = round(start_g / max(1, old["num_batches"]) * data.plan.num_batches)
+                if d.is_master:
+                    log(f"WARNING: {what}; ALLOW_DATA_CHANGE: continuing at micro-batch {start_g}, re-planned LR")
+            if d.is_master:
+                ck_env, env = meta.get("env", {}), ckpt.environment()
+                for k in ("torch", "cuda", "transformers"):
+                    if ck_env.get(k) != env.get(k):
+                        log(f"WARNING: {k} version differs from the checkpoint's: {ck_env.get(k)} -> {env.get(k)}")
+                if meta.get("split") != [d.n_targets, d.n_drafters]:
+                    log(f"NOTE: checkpoint split {meta.get('split')} -> now {d.n_targets} targets : {d.n_drafters} "
+                        f"drafters; continuing from the same data position (micro-batch {start_g})")
+        sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, start_g)
+        total_steps = step + (sched.total_g - start_g) // sched.per_step
+
+        if d.is_master:
+            ps = data.plan.stats()
+            log(f"data: {data.num_rows:,} rows, {len(data.rows):,} trainable"
+                + (f" (dropped {data.dropped})" if data.dropped else "")
+                + f"; {data.plan.num_batches:,} micro-batches/epoch (mean {ps['mean_batch_size']:.1f} seqs, "
+                  f"padding waste {ps['padding_waste']:.1%})")
+            log(f"plan: {d.n_targets} target : {d.n_drafters} drafter ranks x GRAD_ACCUM={GRAD_ACCUM} => "
+                f"{sched.per_step} micro-batches/step; {total_steps:,} steps ({sched.total_g:,} micro-batches, "
+                f"{sched.total_g / data.plan.num_batches:.2f} epochs); drafter L={dcfg.num_hidden_layers} "
+                f"taps={dcfg.target_layer_ids} B={dcfg.block_size} mask_token_id={mask_id}")
+            if meta:
+                log(f"RESUMING from step {step} of {resume_path} (micro-batch {start_g}, epoch~{start_g / data.plan.num_batches:.2f})")
+        if DRY_RUN:
+            if d.is_master:
+                log("DRY_RUN: config and data are fine; exiting before loading any model")
+            finish(d, watchdog, code=0)
+
+        if d.is_master:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            run_info = {"config": config, "env": ckpt.environment(), "world": d.world, "split": [d.n_targets, d.n_drafters],
+                        "drafter": dcfg.__dict__, "data": {"rows": data.num_rows, "trainable": len(data.rows),
+                                                           "dropped": data.dropped, "content_hash": data.content_hash,
+                                                           "num_batches": data.plan.num_batches},
+                        "resumed_from": str(resume_path) if resume_path else None, "time": time.time()}
+            (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
+
+        stop_g = [sched.total_g]
+
+        def current_stop_g():
+            if d.store and d.store.check(["stop_g"]):
+                stop_g[0] = int(d.store.get("stop_g"))
+            return stop_g[0]
+
+        # -- target rank --
+        target = None
+        if d.is_target:
+            from model.target import Target
+            with Phase(d, f"load target {TARGET}", watchdog):
+                target = Target(TARGET, d.device, d.dtype, dcfg.target_layer_ids)
+        if d.is_target and not d.colocated:
+            sender = Sender(d.ctrl, d.data, SEND_DEPTH, watchdog)
+            sender.start()
+            watchdog.steady = True
+            watchdog.state = "producing"
+            t0, n0 = time.time(), 0
+            for p in produce(d, data, sched, target, start_g, current_stop_g, watchdog):
+                sender.put(d.n_targets + sched.consumer(p.g), p)
+                watchdog.progress()
+                n0 += 1
+                watchdog.stats.update(n=n0, tok=sender.tokens, q=watchdog.stats.get("q", 0))
+            watchdog.state = "all micro-batches produced; waiting for the drafters to finish"
+            wait_done(d, watchdog)
+
+        # -- drafter rank (or the single process) --
+        with Phase(d, "build drafter", watchdog):
+            torch.manual_seed(SEED)
+            drafter = Drafter(dcfg).to(d.device)                      # fp32 master weights
+            embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
+                (target.embed_tokens, target.lm_head_weight, None)
+            params = [p for p in drafter.parameters()]
+            decay = [p for p in params if p.dim() >= 2]
+            no_decay = [p for p in params if p.dim() < 2]
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                     {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95),
+                                    eps=1e-8, fused=d.device.type == "cuda")
+            if resume_path:
+                state = ckpt.load_state(resume_path, map_location=d.device)
+                drafter.load_state_dict(state["drafter"])
+                opt.load_state_dict(state["optimizer"])
+                torch.set_rng_state(state["rng"]["torch"].cpu())
+                random.setstate(state["rng"]["python"])
+                np.random.set_state(state["rng"]["numpy"])
+            model = drafter
+            if d.n_drafters > 1:
+                from torch.nn.parallel import DistributedDataParallel as DDP
+                model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                            process_group=d.drafters)
+        if d.flex:
+            from model.attention import warmup_flex_attention
+            with Phase(d, "compile flex_attention (main thread, before worker threads)", watchdog):
+                warmup_flex_attention(d.device, d.dtype, dcfg.num_attention_heads, dcfg.num_key_value_heads,
+                                      dcfg.head_dim, dcfg.block_size)
+        prepare = make_prepare(dcfg, d.device, d.flex)
+        if d.colocated:
+            stream = (prepare(p) for p in produce(d, data, sched, target, start_g, current_stop_g, None))
+            next_item, q_depth = lambda: next(stream), lambda: [0]
+        else:
+            schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index, start_g))
+            receiver = Receiver(schedule, d.ctrl, d.data, d.device, Q_HS, watchdog, prepare)
+            receiver.start()
+            next_item = receiver.get
+            watchdog.state = "waiting for the first micro-batch (queues filling)"
+        train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_g, total_steps, config,
+              ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None)
+        finish(d, watchdog, code=0)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            msg = str(e.code)
+            if watchdog:
+                watchdog.fail(msg.removeprefix("error: "))
+            raise
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure ends the whole job with a reason
+        import traceback
+        reason = f"{type(e).__name__}: {e}"
+        if "out of memory" in str(e).lower() and torch.cuda.is_available():
+            gib = 2 ** 30
+            reason = (f"CUDA out of memory on {d.device}: {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, "
+                      f"{torch.cuda.memory_reserved() / gib:.1f} GiB reserved of "
+                      f"{torch.cuda.get_device_properties(d.device).total_memory / gib:.1f} GiB. Lower MAX_ANCHORS "
+                      f"(now {MAX_ANCHORS}), TOKEN_BUDGET (now {TOKEN_BUDGET}) or MAX_BATCH_SIZE (now {MAX_BATCH_SIZE})")
+        fail(reason, traceback.format_exc())
+
+
+def wait_done(d, watchdog):
+    """Non-master ranks idle here until the master has saved; then every rank exits 0 together."""
+    while not d.store.check(["job_done"]):
+        time.sleep(0.2)
+    finish(d, watchdog, code=0)
+
+
+def finish(d, watchdog, code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if d.colocated:
+        sys.exit(code)
+    # pending point-to-point transfers (targets that ran ahead) would block a clean teardown: leave directly
+    os._exit(code)
+
+
+def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_g, total_steps, config, ck_root,
+          watchdog, stop_flag, next_item, receiver):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import checkpoint as ckpt
+    from model.export import export_drafter
+    from model.objective import block_metrics, weighted_ce
+
+    out_dir = Path(OUT_DIR)
+    metrics = Metrics(out_dir, config) if d.is_master else None
+    if watchdog and metrics:
+        watchdog.on_abort.append(metrics.flush)
+    autocast = torch.autocast("cuda", dtype=d.dtype) if d.device.type == "cuda" and d.dtype != torch.float32 \
+        else torch.autocast("cpu", enabled=False)
+    sums = torch.zeros(6, device=d.device, dtype=torch.float64)  # since the last status line: loss, weight,
+    #                                                              acc_num, acc_den, streak_num, streak_den
+    step_w = torch.zeros(1, device=d.device, dtype=torch.float64)  # loss weight of this optimizer step
+    params = [p for p in drafter.parameters()]
+    t_start = t_log = time.time()
+    step_at_log, tokens_since, mb_since, noise_std = step, 0, 0, NOISE / math.sqrt(3)
+    stop_at = None
+    first = True
+    tgt_n_prev = 0   # micro-batches the target ranks had made at the last status line
+    if d.is_master:
+        log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")
+
+    def save(step_now, g_now):
+        state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step_now, "next_g": g_now,
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+        meta = {"step": step_now, "next_g": g_now, "epoch": g_now / data.plan.num_batches,
+                "split": [d.n_targets, d.n_drafters], "config": config, "env": ckpt.environment(),
+                "data": {"rows": data.num_rows, "num_batches": data.plan.num_batches, "content_hash": data.content_hash},
+                "drafter": dcfg.__dict__, "time": time.time()}
+        t = time.time()
+        try:
+            path = ckpt.save(ck_root, step_now, state, meta, lambda p: export_drafter(drafter, p), KEEP_LAST)
+        except ckpt.CheckpointError as e:
+            raise SystemExit(f"error: {e}")
+        log(f"saved {path} ({time.time() - t:.1f}s)")
+
+    while step < total_steps:
+        g0 = step * sched.per_step
+        lr = sched.lr(g0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for m in range(GRAD_ACCUM):
+            item = next_item()
+            if first:
+                first = False
+                if watchdog:
+                    watchdog.steady = True
+                if d.is_master:
+                    log(f"[rank {d.rank} {d.role}] first micro-batch after {time.time() - t_start:.1f}s; training")
+                t_start = t_log = time.time()
+                if d.is_master and watchdog:
+                    tgt_n_prev = sum((s or {}).get("n", 0) for s in watchdog.peer_states(range(d.n_targets)).values())
+            if watchdog:
+                watchdog.state = f"training step {step + 1} micro-batch g={item.g}"
+            feats = item.features
+            if NOISE:
+                gen = torch.Generator(device=d.device).manual_seed(micro_seed(item.g))
+                feats = feats + (torch.rand(feats.shape, generator=gen, device=d.device, dtype=torch.float32)
+                                 * 2 - 1).mul_(NOISE).to(feats.dtype)
+            sync = m == GRAD_ACCUM - 1 or d.n_drafters == 1
+            ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
+            with ctx, autocast:
+                hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
+                parts = weighted_ce(hidden, head_w, item.labels, item.weights, CE_CHUNK, rows=item.rows)
+                parts.loss_sum.backward()
+            bm = block_metrics(parts.correct.view(-1, dcfg.block_size), item.weights.view(-1, dcfg.block_size))
+            step_w += parts.weight_sum.double()
+            sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(), bm["acc_num"].double(),
+                                 bm["acc_den"].double(), bm["streak_num"].double(), bm["streak_den"].double()])
+            tokens_since += item.tokens
+            mb_since += 1
+            if watchdog:
+                watchdog.progress()
+                watchdog.stats.update(q=receiver.q.qsize(), n=watchdog.stats.get("n", 0) + 1,
+                                      tok=watchdog.stats.get("tok", 0) + item.tokens)
+        # global normalisation: gradients hold sum(w * CE) (averaged by DDP over ranks); divide by the global weight
+        if d.n_drafters > 1:
+            dist.all_reduce(step_w, group=d.drafters)
+        scale = (d.n_drafters / step_w.clamp(min=1e-12)).float()
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_w.zero_()
+        step += 1
+
+        # -- stop requests: a signal on any rank -> every drafter stops after the same step --
+        if d.store:
+            if stop_flag.is_set() and not d.store.check(["stop_request"]):
+                d.store.set("stop_request", str(d.rank))
+            if d.is_master and stop_at is None and d.store.check(["stop_request"]):
+                stop_at = step + 1
+                d.store.set("stop_at", str(stop_at))
+                d.store.set("stop_g", str(stop_at * sched.per_step))
+            if stop_at is None and d.store.check(["stop_at"]):
+                stop_at = int(d.store.get("stop_at"))
+        elif stop_flag.is_set() and stop_at is None:
+            stop_at = step
+        stopping = stop_at is not None and step >= stop_at
+
+        # -- status line --
+        now = time.time()
+        log_now = step - step_at_log >= LOG_EVERY or now - t_log >= LOG_SECONDS or step == total_steps or stopping
+        if d.n_drafters > 1:   # every drafter must join the metric all-reduce: agree on when via the step count
+            log_now = step % LOG_EVERY == 0 or step == total_steps or stopping
+        if log_now:
+            red = sums.clone()
+            if d.n_drafters > 1:
+                dist.all_reduce(red, group=d.drafters)
+            loss, wt, an, ad, sn, sd = red.tolist()
+            sums.zero_()
+            if d.is_master:
+                dt = max(1e-9, now - t_log)
+                peers = watchdog.peer_states() if watchdog else {}
+                tgt_n = sum((peers.get(r) or {}).get("n", 0) for r in range(d.n_targets))
+                q_pre = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets)]
+                q_hs = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets, d.world)]
+                tgt_rate = (tgt_n - tgt_n_prev) / dt if not d.colocated else mb_since / dt
+                tgt_n_prev = tgt_n
+                dft_rate = mb_since * d.n_drafters / dt
+                tok_rate = tokens_since * d.n_drafters / dt
+                steps_done = step - step_at_log
+                eta = (total_steps - step) * dt / max(1, steps_done)
+                epoch = step * sched.per_step / data.plan.num_batches
+                row = {"time": now, "elapsed_s": now - t_start, "step": step, "total_steps": total_steps,
+                       "loss": loss / max(wt, 1e-12), "acc": an / max(ad, 1), "streak": sn / max(sd, 1),
+                       "lr": lr, "noise_std": noise_std, "tgt_mb_s": tgt_rate, "dft_mb_s": dft_rate,
+                       "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta}
+                metrics.write(row)
+                el = now - t_start
+                log(f"[{el / 60:.0f}m] step={step}/{total_steps} loss={row['loss']:.3f} acc={row['acc']:.3f} "
+                    f"streak={row['streak']:.2f} lr={lr:.1e} noise={noise_std:.3f} | tgt={tgt_rate:.2f}b/s "
+                    f"dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | q_pre={q_pre} q_hs={q_hs} | "
+                    f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")
+            t_log, step_at_log, tokens_since, mb_since = now, step, 0, 0
+
+        if d.is_master and (step % SAVE_EVERY == 0 or step == total_steps or stopping):
+            if watchdog:
+                watchdog.state = f"saving checkpoint step {step}"
+            save(step, step * sched.per_step)
+        if stopping:
+            if d.is_master:
+                log(f"stopped at step {step} on request; resume with RESUME=auto")
+            break
+    if d.is_master:
+        if step >= total_steps:
+            log(f"done: {step} steps; final drafter in {ckpt.step_dir(ck_root, step) / 'drafter'}")
+        metrics.flush()
+        if d.store:
+            d.store.set("job_done", "1")
+    elif d.store:
+        wait_done(d, watchdog)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
