@@ -163,8 +163,10 @@ class Watchdog(threading.Thread):
     `heartbeat_timeout` s, or if no rank made progress for `stall_timeout` s once training runs. The first rank to
     see a problem writes the reason under `abort`, so every survivor prints the same line."""
 
-    def __init__(self, store, rank, world, roles, heartbeat_timeout, stall_timeout, interval=1.0, log=print):
+    def __init__(self, store, rank, world, roles, heartbeat_timeout, stall_timeout, interval=1.0, log=print,
+                 is_master=False):
         super().__init__(daemon=True, name="watchdog")
+        self.is_master = is_master  # exits last, through finished()
         self.store, self.rank, self.world, self.roles = store, rank, world, roles
         self.heartbeat_timeout, self.stall_timeout, self.interval, self.log = (
             heartbeat_timeout, stall_timeout, interval, log)
@@ -191,7 +193,9 @@ class Watchdog(threading.Thread):
 
     # -- ending the job --
     def fail(self, reason: str, detail: str = "") -> None:
-        """This rank cannot go on: publish why, print it, exit non-zero."""
+        """This rank cannot go on: publish why, print it, exit non-zero. Once the job is done (peers exiting close
+        their connections, which surfaces here as errors) it is a normal exit instead."""
+        self._exit_if_done()
         msg = f"{self.who(self.rank)}: {reason}"
         try:
             self.store.compare_set("abort", "", msg)
@@ -211,6 +215,37 @@ class Watchdog(threading.Thread):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+    def finished(self) -> None:
+        """The master calls this after its last checkpoint: every rank exits 0, the master last."""
+        self.store.set("job_done", "1")
+        end = time.monotonic() + 15
+        others = [f"exited/{r}" for r in range(self.world) if r != self.rank]
+        while time.monotonic() < end and not self.store.check(others):
+            time.sleep(0.1)
+        self._clean_exit()
+
+    def _exit_if_done(self):
+        try:
+            done = self.store.check(["job_done"])
+        except Exception:  # noqa: BLE001 - the store went away with the launcher: nothing left to coordinate
+            done = False
+        if done:
+            self._clean_exit()
+
+    def _clean_exit(self):
+        for cb in self.on_abort:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self.store.set(f"exited/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)   # pending point-to-point transfers (targets that ran ahead) would block a clean teardown
 
     def _check_abort(self):
         if self.store.check(["abort"]):
@@ -234,6 +269,8 @@ class Watchdog(threading.Thread):
         state = self.state + (f"; receiver {self.recv_state}" if self.recv_state else "")
         self.store.set(f"hb/{self.rank}", json.dumps({"beat": self._beats, "progress": self._progress,
                                                       "steady": self.steady, "state": state, **self.stats}))
+        if not self.is_master:
+            self._exit_if_done()
         self._check_abort()
         host = socket.gethostname()
         others = [r for r in range(self.world) if r != self.rank]
@@ -271,6 +308,7 @@ class Watchdog(threading.Thread):
                             f"states: {states}")
 
     def _abort_for(self, msg):
+        self._exit_if_done()
         try:
             self.store.compare_set("abort", "", msg)
             msg = self.store.get("abort").decode() or msg

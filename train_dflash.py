@@ -77,6 +77,7 @@ STALL_TIMEOUT = 600.0       # s without progress on any rank (after start-up) be
 TENSORBOARD = False         # also log to OUT_DIR/tb
 WANDB_PROJECT = ""          # also log to this W&B project ("" = off)
 DRY_RUN = False             # check the config and data, print the plan, exit before loading any model
+DUMP_BATCHES = 0            # drafters save the first N received micro-batches to OUT_DIR/dump/ (debugging, tests)
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_")]
 REPO = Path(__file__).resolve().parent
@@ -311,39 +312,47 @@ class Data:
 # --- schedule -------------------------------------------------------------------------------------------------------
 
 class Schedule:
-    """Micro-batch g (global over epochs) is made by target g % n_targets and consumed by drafter
-    (g % per_step) % n_drafters in optimizer step g // per_step. The LR is a function of data progress g / total_g,
-    so it stays right when a run resumes with another target:drafter split."""
+    """Micro-batch g (global over epochs) is made by target g % n_targets. From the run's start g0 on, optimizer
+    step i consumes g0 + i*per_step .. g0 + (i+1)*per_step - 1, and drafter d takes those with
+    (g - g0) % per_step % n_drafters == d. The LR is a function of data progress g / total_g, so a run resumed with
+    another target:drafter split (another per_step) continues at the same micro-batch with the same LR."""
 
-    def __init__(self, num_batches, n_targets, n_drafters, start_g=0):
-        self.nb, self.T, self.D = num_batches, n_targets, n_drafters
+    def __init__(self, num_batches, n_targets, n_drafters, start_g=0, total_g=None):
+        self.nb, self.T, self.D, self.g0 = num_batches, n_targets, n_drafters, start_g
         self.per_step = n_drafters * GRAD_ACCUM
-        total = EPOCHS * num_batches
-        if MAX_STEPS:
-            total = min(total, start_g + MAX_STEPS * self.per_step) if start_g else min(total, MAX_STEPS * self.per_step)
-        self.total_g = start_g + (total - start_g) // self.per_step * self.per_step
-        if self.total_g <= start_g:
-            sys.exit(f"error: nothing to train: {num_batches} micro-batches per epoch x EPOCHS={EPOCHS} gives "
-                     f"{total} micro-batches but one optimizer step needs {self.per_step} (drafters x GRAD_ACCUM) "
-                     f"and the run starts at micro-batch {start_g}; add data, raise EPOCHS or lower TOKEN_BUDGET")
+        if total_g is None:   # a fresh plan (a resume keeps the checkpoint's, unless data or length settings changed)
+            total_g = EPOCHS * num_batches
+            if MAX_STEPS:
+                total_g = min(total_g, MAX_STEPS * self.per_step)
+        self.planned_g = total_g                                               # the LR schedule's length
+        self.steps = (total_g - start_g) // self.per_step                      # optimizer steps left
+        self.total_g = start_g + self.steps * self.per_step                    # last micro-batch consumed + 1
+        if self.steps <= 0 and start_g:
+            sys.exit(f"error: the checkpoint already finished its schedule ({total_g} micro-batches, "
+                     f"{total_g / num_batches:.2f} epochs); raise EPOCHS or MAX_STEPS to train further")
+        if self.steps <= 0:
+            sys.exit(f"error: nothing to train: {num_batches} micro-batches per epoch x EPOCHS={EPOCHS} "
+                     f"(MAX_STEPS={MAX_STEPS}) gives {total_g} micro-batches, the run starts at micro-batch {start_g} "
+                     f"and one optimizer step needs {self.per_step} (drafters x GRAD_ACCUM); add data, raise EPOCHS "
+                     f"or lower TOKEN_BUDGET")
 
     def producer(self, g):
         return g % self.T
 
     def consumer(self, g):  # drafter index
-        return (g % self.per_step) % self.D
+        return (g - self.g0) % self.per_step % self.D
 
-    def drafter_gs(self, d, start_g):
-        """The g's drafter d consumes, in order, from step start_g // per_step on."""
-        for s in range(start_g // self.per_step, self.total_g // self.per_step):
+    def drafter_gs(self, d):
+        """The g's drafter d consumes, in order."""
+        for i in range(self.steps):
             for m in range(GRAD_ACCUM):
-                yield s * self.per_step + m * self.D + d
+                yield self.g0 + i * self.per_step + m * self.D + d
 
     def lr(self, g):
-        warm = WARMUP_RATIO * self.total_g
+        warm = WARMUP_RATIO * self.planned_g
         if g < warm:
             return LR * (g + 1) / warm
-        return LR * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.total_g - warm))))
+        return LR * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.planned_g - warm))))
 
 
 def micro_seed(g: int) -> int:
@@ -429,6 +438,7 @@ def make_prepare(cfg, device, flex):
         attn = make_attn_spec(blk.anchor_idx.to(**to), blk.anchor_doc.to(**to), doc_ids.to(**to), cfg.block_size,
                               cfg.layer_types, cfg.sliding_window, flex)
         return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features,
+                        lengths=p.lengths, input_ids=p.input_ids,
                         ctx_pos=positions.to(**to), block_ids=blk.ids.flatten().to(**to),
                         block_pos=blk.positions.flatten().to(**to), labels=blk.labels.flatten().to(**to),
                         weights=w.to(**to), rows=rows.to(**to), attn=attn)
@@ -525,7 +535,8 @@ def main(argv):
     ck_root = out_dir / "checkpoints"
     watchdog = None
     if not d.colocated:
-        watchdog = Watchdog(d.store, d.rank, d.world, d.roles, HEARTBEAT_TIMEOUT, STALL_TIMEOUT, log=log)
+        watchdog = Watchdog(d.store, d.rank, d.world, d.roles, HEARTBEAT_TIMEOUT, STALL_TIMEOUT, log=log,
+                            is_master=d.is_master)
         watchdog.start()
 
     def fail(reason, detail=""):
@@ -598,10 +609,15 @@ def main(argv):
             resume_path = d.store.get("resume_path").decode() or None
         meta = ckpt.read_meta(resume_path) if resume_path else None
 
-        start_g, step = 0, 0
+        start_g, step, planned_g = 0, 0, None
         if meta:
             start_g, step = meta["next_g"], meta["step"]
             old = meta["data"]
+            # the schedule's length stays the checkpoint's unless what defines it changed
+            if (meta["config"].get("EPOCHS"), meta["config"].get("MAX_STEPS")) == (EPOCHS, MAX_STEPS):
+                planned_g = meta.get("planned_g")
+            elif d.is_master:
+                log(f"NOTE: EPOCHS/MAX_STEPS changed since the checkpoint: the LR schedule is re-planned")
             if old["content_hash"] != data.content_hash or old["num_batches"] != data.plan.num_batches:
                 what = (f"dataset changed since {resume_path}: it had {old['rows']} rows / {old['num_batches']} "
                         f"micro-batches (hash {old['content_hash'][:12]}), now {data.num_rows} / "
@@ -611,6 +627,7 @@ def main(argv):
                                 "is re-planned), or restore the old dataset")
                 # same fraction of the run on the new data
                 start_g = round(start_g / max(1, old["num_batches"]) * data.plan.num_batches)
+                planned_g = None
                 if d.is_master:
                     log(f"WARNING: {what}; ALLOW_DATA_CHANGE: continuing at micro-batch {start_g}, re-planned LR")
             if d.is_master:
@@ -621,8 +638,8 @@ def main(argv):
                 if meta.get("split") != [d.n_targets, d.n_drafters]:
                     log(f"NOTE: checkpoint split {meta.get('split')} -> now {d.n_targets} targets : {d.n_drafters} "
                         f"drafters; continuing from the same data position (micro-batch {start_g})")
-        sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, start_g)
-        total_steps = step + (sched.total_g - start_g) // sched.per_step
+        sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, start_g, planned_g)
+        total_steps = step + sched.steps
 
         if d.is_master:
             ps = data.plan.stats()
@@ -711,7 +728,7 @@ def main(argv):
             stream = (prepare(p) for p in produce(d, data, sched, target, start_g, current_stop_g, None))
             next_item, q_depth = lambda: next(stream), lambda: [0]
         else:
-            schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index, start_g))
+            schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
             receiver = Receiver(schedule, d.ctrl, d.data, d.device, Q_HS, watchdog, prepare)
             receiver.start()
             next_item = receiver.get
@@ -739,10 +756,10 @@ def main(argv):
 
 
 def wait_done(d, watchdog):
-    """Non-master ranks idle here until the master has saved; then every rank exits 0 together."""
-    while not d.store.check(["job_done"]):
-        time.sleep(0.2)
-    finish(d, watchdog, code=0)
+    """Non-master ranks idle here until the master has saved; their watchdog then exits them with code 0."""
+    watchdog.state = "finished; waiting for the master's last checkpoint"
+    while True:
+        time.sleep(1)
 
 
 def finish(d, watchdog, code):
@@ -750,8 +767,9 @@ def finish(d, watchdog, code):
     sys.stderr.flush()
     if d.colocated:
         sys.exit(code)
-    # pending point-to-point transfers (targets that ran ahead) would block a clean teardown: leave directly
-    os._exit(code)
+    if d.is_master:
+        watchdog.finished()   # tells every rank to exit, waits for them, exits 0
+    wait_done(d, watchdog)
 
 
 def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_g, total_steps, config, ck_root,
@@ -776,6 +794,11 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
     params = [p for p in drafter.parameters()]
     t_start = t_log = time.time()
     step_at_log, tokens_since, mb_since, noise_std = step, 0, 0, NOISE / math.sqrt(3)
+    step0 = step
+
+    def g_at(st):  # first micro-batch of optimizer step st (counted from the run's start step)
+        return sched.g0 + (st - step0) * sched.per_step
+
     stop_at = None
     first = True
     tgt_n_prev = 0   # micro-batches the target ranks had made at the last status line
@@ -785,7 +808,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
     def save(step_now, g_now):
         state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step_now, "next_g": g_now,
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
-        meta = {"step": step_now, "next_g": g_now, "epoch": g_now / data.plan.num_batches,
+        meta = {"step": step_now, "next_g": g_now, "planned_g": sched.planned_g, "epoch": g_now / data.plan.num_batches,
                 "split": [d.n_targets, d.n_drafters], "config": config, "env": ckpt.environment(),
                 "data": {"rows": data.num_rows, "num_batches": data.plan.num_batches, "content_hash": data.content_hash},
                 "drafter": dcfg.__dict__, "time": time.time()}
@@ -797,8 +820,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
         log(f"saved {path} ({time.time() - t:.1f}s)")
 
     while step < total_steps:
-        g0 = step * sched.per_step
-        lr = sched.lr(g0)
+        lr = sched.lr(g_at(step))
         for group in opt.param_groups:
             group["lr"] = lr
         for m in range(GRAD_ACCUM):
@@ -829,6 +851,10 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
             step_w += parts.weight_sum.double()
             sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(), bm["acc_num"].double(),
                                  bm["acc_den"].double(), bm["streak_num"].double(), bm["streak_den"].double()])
+            if DUMP_BATCHES and item.g < DUMP_BATCHES:   # exactly what arrived, for checking the transport
+                (out_dir / "dump").mkdir(parents=True, exist_ok=True)
+                torch.save({"g": item.g, "rank": d.rank, "features": item.features.cpu(), "lengths": item.lengths,
+                            "input_ids": item.input_ids}, out_dir / "dump" / f"g{item.g:06d}.pt")
             tokens_since += item.tokens
             mb_since += 1
             if watchdog:
@@ -855,7 +881,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
             if d.is_master and stop_at is None and d.store.check(["stop_request"]):
                 stop_at = step + 1
                 d.store.set("stop_at", str(stop_at))
-                d.store.set("stop_g", str(stop_at * sched.per_step))
+                d.store.set("stop_g", str(g_at(stop_at)))
             if stop_at is None and d.store.check(["stop_at"]):
                 stop_at = int(d.store.get("stop_at"))
         elif stop_flag.is_set() and stop_at is None:
@@ -869,8 +895,17 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
             log_now = step % LOG_EVERY == 0 or step == total_steps or stopping
         if log_now:
             red = sums.clone()
+            spread = 0.0
             if d.n_drafters > 1:
                 dist.all_reduce(red, group=d.drafters)
+                # DDP keeps drafters bitwise identical; check it where we sync anyway
+                cs = torch.stack([p.detach().double().sum() for p in params]).sum()
+                mm = torch.stack([cs, -cs])
+                dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=d.drafters)
+                spread = float(mm[0] + mm[1])
+                if spread != 0.0:
+                    raise RuntimeError(f"drafter ranks hold different weights after step {step} (checksum spread "
+                                       f"{spread:g}): DDP gradient sync is broken")
             loss, wt, an, ad, sn, sd = red.tolist()
             sums.zero_()
             if d.is_master:
@@ -885,11 +920,12 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
                 tok_rate = tokens_since * d.n_drafters / dt
                 steps_done = step - step_at_log
                 eta = (total_steps - step) * dt / max(1, steps_done)
-                epoch = step * sched.per_step / data.plan.num_batches
+                epoch = g_at(step) / data.plan.num_batches
                 row = {"time": now, "elapsed_s": now - t_start, "step": step, "total_steps": total_steps,
                        "loss": loss / max(wt, 1e-12), "acc": an / max(ad, 1), "streak": sn / max(sd, 1),
                        "lr": lr, "noise_std": noise_std, "tgt_mb_s": tgt_rate, "dft_mb_s": dft_rate,
-                       "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta}
+                       "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta,
+                       "ddp_weight_spread": spread}
                 metrics.write(row)
                 el = now - t_start
                 log(f"[{el / 60:.0f}m] step={step}/{total_steps} loss={row['loss']:.3f} acc={row['acc']:.3f} "
@@ -901,7 +937,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
         if d.is_master and (step % SAVE_EVERY == 0 or step == total_steps or stopping):
             if watchdog:
                 watchdog.state = f"saving checkpoint step {step}"
-            save(step, step * sched.per_step)
+            save(step, g_at(step))
         if stopping:
             if d.is_master:
                 log(f"stopped at step {step} on request; resume with RESUME=auto")
@@ -910,10 +946,6 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
         if step >= total_steps:
             log(f"done: {step} steps; final drafter in {ckpt.step_dir(ck_root, step) / 'drafter'}")
         metrics.flush()
-        if d.store:
-            d.store.set("job_done", "1")
-    elif d.store:
-        wait_done(d, watchdog)
 
 
 if __name__ == "__main__":

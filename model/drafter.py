@@ -188,14 +188,30 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
+    def kv(self, x, cos, sin):
+        """x [P, H] -> keys (k_norm, then RoPE at cos, sin [P, D]) and values, both [P, nkv, D]."""
+        P, D = x.shape[0], self.head_dim
+        k = apply_rope(self.k_norm(self.k_proj(x).view(P, self.n_kv, D)), cos, sin)   # k_norm on all keys
+        return k, self.v_proj(x).view(P, self.n_kv, D)
+
     def forward(self, h, ctx, cos, sin, mask):
         """h [M, H] normed block states; ctx [T, H] shared context; cos, sin [T+M, D]; mask for [M, T+M]."""
         M, T, D = h.shape[0], ctx.shape[0], self.head_dim
-        kv_in = torch.cat([ctx, h], dim=0)                                  # [T+M, H]: context rows first
         q = self.q_norm(self.q_proj(h).view(M, self.n_head, D))            # [M, nh, D]
-        k = self.k_norm(self.k_proj(kv_in).view(T + M, self.n_kv, D))      # [T+M, nkv, D]: k_norm on all keys
-        v = self.v_proj(kv_in).view(T + M, self.n_kv, D)                   # [T+M, nkv, D]
-        q, k = apply_rope(q, cos[T:], sin[T:]), apply_rope(k, cos, sin)
+        k, v = self.kv(torch.cat([ctx, h], dim=0), cos, sin)               # [T+M, nkv, D]: context rows first
+        return self._attend(apply_rope(q, cos[T:], sin[T:]), k, v, mask)
+
+    def step(self, h, k_ctx, v_ctx, cos, sin, mask):
+        """Inference with cached context keys/values: h [M, H] normed block states; k_ctx, v_ctx [T, nkv, D] from
+        kv() of the context rows (already RoPE'd); cos, sin [M, D] of the block; mask [M, T+M] bool or None (all)."""
+        M, D = h.shape[0], self.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(h).view(M, self.n_head, D)), cos, sin)   # [M, nh, D]
+        k, v = self.kv(h, cos, sin)                                                      # [M, nkv, D]
+        return self._attend(q, torch.cat([k_ctx, k]), torch.cat([v_ctx, v]), mask)
+
+    def _attend(self, q, k, v, mask):
+        """q [M, nh, D]; k, v [T+M, nkv, D]; mask: dense bool [M, T+M], a flex BlockMask or None -> [M, H]."""
+        M, D = q.shape[0], self.head_dim
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))     # [1, heads, len, D]
         gqa = self.n_head != self.n_kv
         if isinstance(mask, BlockMask):
@@ -220,6 +236,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, ctx, cos, sin, mask):
         # ctx is injected as it is: hidden_norm(fc(features)) once, not this layer's input_layernorm
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def step(self, x, k_ctx, v_ctx, cos, sin, mask):
+        x = x + self.self_attn.step(self.input_layernorm(x), k_ctx, v_ctx, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,3 +274,57 @@ class Drafter(nn.Module):
         for layer, kind in zip(self.layers, self.config.layer_types):
             x = layer(x, ctx, cos, sin, attn.for_layer(kind))
         return self.norm(x)
+
+    # -----------------------------------------------------------------------
+    # Inference with a context KV cache (eval_dflash.py): the context keys/values of a layer depend only on the
+    # features and their positions (never on the block), so they are computed once per committed token and reused.
+
+    def context_kv(self, features, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """features [T, K*H], positions [T] -> per layer (keys, values) [T, nkv, D], RoPE'd at their positions."""
+        ctx = self.hidden_norm(self.fc(features))                            # [T, H]
+        cos, sin = rope_cos_sin(positions, self.config)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def step(self, cache: "DrafterCache", block_emb, block_positions):
+        """One block against all cached context: block_emb [M, H] at block_positions [M] (consecutive, all after
+        the cached context) -> [M, H]. Same visibility as training's mask for an anchor right after the context:
+        full layers see all context + the whole block; sliding layers are causal in the block and see keys less
+        than sliding_window positions back."""
+        cfg = self.config
+        cos, sin = rope_cos_sin(block_positions, cfg)                        # [M, D]
+        masks = {"full_attention": None}
+        if "sliding_attention" in cfg.layer_types:
+            kp = torch.cat([cache.positions, block_positions])              # [T+M] key positions
+            dist = block_positions[:, None] - kp[None, :]                   # [M, T+M]
+            masks["sliding_attention"] = (dist >= 0) & (dist < cfg.sliding_window)
+        x = block_emb
+        for layer, kind, (k, v) in zip(self.layers, cfg.layer_types, cache.kv):
+            x = layer.step(x, k, v, cos, sin, masks[kind])
+        return self.norm(x)
+
+
+class DrafterCache:
+    """Context keys/values of every drafter layer for one sequence (batch 1): append the features of newly
+    committed tokens, crop on rollback. kv[i] = (keys, values) [T, nkv, D]; positions [T]."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        p = next(drafter.parameters())
+        c = drafter.config
+        empty = torch.empty(0, c.num_key_value_heads, c.head_dim, device=p.device, dtype=p.dtype)
+        self.kv = [(empty, empty) for _ in range(c.num_hidden_layers)]
+        self.positions = torch.empty(0, dtype=torch.long, device=p.device)
+
+    def __len__(self):
+        return self.positions.shape[0]
+
+    def append(self, features, positions):
+        """features [n, K*H] of tokens at positions [n] (after everything cached so far)."""
+        new = self.drafter.context_kv(features, positions)
+        self.kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.positions = torch.cat([self.positions, positions])
+
+    def crop(self, n: int):
+        """Keep the first n context rows."""
+        self.kv = [(k[:n], v[:n]) for k, v in self.kv]
+        self.positions = self.positions[:n]

@@ -1,0 +1,506 @@
+"""Measure a DFlash drafter the way it is served (spec section 4): tau, losslessness, speed, and DDTree.
+
+    python eval_dflash.py --target ~/.cache/dflash/smollm2-135m-instruct --drafter runs/x/export \
+        --prompts data/default/eval_prompts.jsonl --limit 40 --max-new-tokens 256 --tree-budget 32 --out tau.json
+
+Greedy speculative decoding, batch 1, with a KV cache for the target (HF DynamicCache) and for the drafter's
+context (model.drafter.DrafterCache):
+  prefill the prompt with hidden states -> first token = target argmax; drafter context = the prompt's features
+  loop: block [last token, MASK x (B-1)] at positions start..start+B-1 -> drafter argmax for slots 1..B-1 -> one
+        target forward over the block -> accept the longest prefix with draft[k] == target argmax at k-1 -> commit
+        it plus the target's bonus token -> crop the target cache to the committed tokens minus the bonus (whose KV
+        the next forward makes) -> drafter context += the target's features of the accepted tokens.
+Choices (documented here once):
+  - tau of a prompt = mean over verify steps of the tokens that step committed (accepted + 1, cut at eos and at
+    max_new_tokens); the first token comes from the prefill and is no step. Overall / per category: mean over
+    prompts (spec). The histogram counts committed tokens per step (1..B).
+  - Prompt rows: `messages` (OpenAI), `prompt` (a string, sent as one user message) or pre-tokenized `input_ids`;
+    optional `id`, `category`. Multi-turn rows keep the system messages before the first user turn and that turn
+    only: MT-Bench's second question refers to an answer the row does not have. Templated exactly as in training
+    (data.chat.render with add_generation_prompt=True, then tokenized without special tokens).
+  - A prompt with prompt_len + max_new_tokens + B - 1 > max_position_embeddings (the last block drafts up to B-1
+    positions past the last token) raises PromptTooLong naming it, before any decoding; on_too_long="skip"
+    (CLI --skip-long) drops it with a warning instead.
+  - Losslessness: the reference is plain greedy decoding with the same KV-cache forward, one token at a time (not
+    model.generate); any difference is reported with its first position. On GPU in bf16 a block forward and a
+    one-token forward round differently, so a rare near-tie can flip: that shows up here as a mismatch, honestly.
+  - DDTree: best-first tree over the drafter's per-slot top-k (one drafter run per step, node at depth d uses slot d),
+    verified in one target forward with a 4D additive ancestor-only mask (attn_implementation sdpa or eager). After
+    it the target cache holds every tree node: the accepted path's entries are gathered in place (a node's KV only
+    depends on its ancestors under that mask, so they equal a sequential forward's), no re-feed.
+  - Timing: wall time of the whole decode (prefill included) with and without the drafter, after an untimed
+    warm-up; tokens/s = generated tokens / seconds summed over prompts.
+"""
+import argparse
+import heapq
+import inspect
+import json
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from data.chat import render
+from model.drafter import DrafterCache
+from model.target import Target
+
+MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
+TREE_TOP_K = 8         # DDTree: candidate tokens per slot, i.e. children per tree node
+WARMUP_TOKENS = 8      # untimed warm-up decode on the first prompt (CUDA init, allocator)
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Prompts
+
+def load_prompts(path, limit=None) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not any(k in row for k in ("messages", "prompt", "input_ids")):
+                raise ValueError(f"{path}:{n}: a prompt row needs `messages`, `prompt` or `input_ids`; "
+                                 f"has {sorted(row)}")
+            row.setdefault("id", f"{Path(path).name}:{n}")
+            rows.append(row)
+    return rows[:limit] if limit else rows
+
+
+def prompt_messages(row) -> list[dict]:
+    """The conversation to answer: system messages before the first user turn, plus that turn."""
+    if "prompt" in row:
+        return [{"role": "user", "content": row["prompt"]}]
+    msgs = row["messages"]
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+    if first is None:
+        raise ValueError(f"prompt {row.get('id')!r} has no user turn")
+    return [m for m in msgs[:first] if m["role"] == "system"] + [msgs[first]]
+
+
+def encode_prompt(tokenizer, row, enable_thinking=None) -> list[int]:
+    if "input_ids" in row:
+        return [int(t) for t in row["input_ids"]]
+    assert tokenizer is not None, "prompt rows with messages/prompt need a tokenizer"
+    text = render(tokenizer, prompt_messages(row), enable_thinking, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------
+# Target forward with a KV cache
+
+def eos_ids(model, tokenizer=None) -> set[int]:
+    """The tokenizer's eos plus the generation config's eos id(s) (Qwen3/SmolLM2 list <|im_end|> there)."""
+    ids = set()
+    for v in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        ids |= set(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
+    return ids
+
+
+def _cache_kw(model) -> str:
+    # transformers 5.2x renamed past_key_values -> cache (the old name still works, with a warning)
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def target_forward(model, ids, positions, cache, layer_ids=None, mask=None, last_only=False):
+    """ids, positions [n] -> logits [n or 1, V], features [n, K*H] of layer_ids (None without layer_ids).
+    Appends the n tokens' KV to cache. mask: None (causal) or a 4D additive mask [1, 1, n, past + n]."""
+    out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
+                output_hidden_states=bool(layer_ids), logits_to_keep=1 if last_only else 0,
+                **{_cache_kw(model): cache})
+    # decoder layer l == hidden_states[l + 1] (index 0 is the embedding output)
+    feats = torch.cat([out.hidden_states[l + 1][0] for l in layer_ids], dim=-1) if layer_ids else None
+    return out.logits[0], feats
+
+
+def crop_cache(cache, n: int):
+    """Keep the first n positions (negative crop = tokens to remove: transformers 5 and 4 agree on that form)."""
+    extra = cache.get_seq_length() - n
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def gather_cache(cache, keep):
+    """Keep the positions `keep` [n] (in order) of every layer: the accepted path of a verified tree."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt_ids, max_new_tokens, eos) -> list[int]:
+    """Plain greedy decoding, one token per forward: the losslessness reference."""
+    from transformers import DynamicCache
+    dev, L = model.device, len(prompt_ids)
+    cache = DynamicCache()
+    logits, _ = target_forward(model, torch.tensor(prompt_ids, device=dev), torch.arange(L, device=dev), cache,
+                               last_only=True)
+    out = [int(logits[-1].argmax())]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        pos = L + len(out) - 1
+        logits, _ = target_forward(model, torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), cache)
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Proposals
+
+class DrafterProposer:
+    """Proposals of a Drafter with its context KV cache. The decode loop calls reset() after the prefill,
+    propose() once per step and commit() with the features of the accepted tokens. Anything with these three
+    methods and `layer_ids` (None: no features needed) can stand in for it (tests use an oracle)."""
+
+    def __init__(self, drafter, model):
+        drafter = getattr(drafter, "_orig_mod", drafter)          # unwrap torch.compile
+        self.drafter = getattr(drafter, "module", drafter)        # unwrap DDP
+        cfg = self.drafter.config
+        self.layer_ids, self.mask_id = list(cfg.target_layer_ids), cfg.mask_token_id
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.dtype = next(self.drafter.parameters()).dtype
+        tc = model.config.get_text_config()
+        if (cfg.hidden_size, cfg.num_target_layers) != (tc.hidden_size, tc.num_hidden_layers):
+            raise ValueError(f"drafter (hidden {cfg.hidden_size}, for a {cfg.num_target_layers}-layer target) does "
+                             f"not fit this target (hidden {tc.hidden_size}, {tc.num_hidden_layers} layers)")
+        self.cache = None
+
+    def reset(self, prompt_ids, features):
+        """features [L, K*H] of the prompt."""
+        self.cache = DrafterCache(self.drafter)
+        self.commit(features, torch.arange(len(prompt_ids), device=features.device))
+
+    def commit(self, features, positions):
+        self.cache.append(features.to(self.dtype), positions)
+
+    def propose(self, tokens, start, block_size):
+        """tokens: prompt + committed so far, tokens[-1] at position `start` -> logits [B-1, V] for slots 1..B-1."""
+        assert len(self.cache) == start, f"drafter context holds {len(self.cache)} positions, block starts at {start}"
+        dev = self.cache.positions.device
+        ids = torch.tensor([tokens[-1]] + [self.mask_id] * (block_size - 1), device=dev)
+        h = self.drafter.step(self.cache, self.embed(ids).to(self.dtype),
+                              torch.arange(start, start + block_size, device=dev))            # [B, H]
+        return self.lm_head(h[1:].to(self.lm_head.weight.dtype))                              # [B-1, V]
+
+
+# ---------------------------------------------------------------------------
+# Verification: a block (chain) or a DDTree
+
+def verify_block(model, cache, root, draft_logits, start, layer_ids):
+    """-> (accepted path incl. the root [a+1] tokens, bonus token, features of the path [a+1, K*H])."""
+    dev = draft_logits.device
+    draft = draft_logits.argmax(-1)                                               # [B-1]
+    block = torch.cat([torch.tensor([root], device=dev), draft])                  # [B]
+    logits, feats = target_forward(model, block, torch.arange(start, start + len(block), device=dev), cache,
+                                   layer_ids)
+    post = logits.argmax(-1)                                                      # [B] target's next token per slot
+    a = int((draft == post[:-1]).int().cumprod(0).sum())
+    crop_cache(cache, start + a + 1)
+    return block[: a + 1].tolist(), int(post[a]), None if feats is None else feats[: a + 1]
+
+
+def build_tree(logp, budget, top_k):
+    """Best-first draft tree. logp [D, V] per-slot log-probs (depth d uses row d-1). Node 0 is the root (the last
+    committed token); returns tokens, parents, depths of nodes 1..N (N <= budget), parents before children. A node's
+    score is the sum of log-probs along its path; pushing only a node's best child and its next sibling keeps the
+    frontier exact because both score no higher than the node itself."""
+    D = logp.shape[0]
+    top_lp, top_id = (x.tolist() for x in logp.topk(min(top_k, logp.shape[1]), dim=-1))   # [D, k]
+    k = len(top_id[0])
+    tokens, parents, depths = [], [], []
+    # (-score, tiebreak, parent node, parent score, depth, rank among the parent's candidates)
+    heap = [(-top_lp[0][0], 0, 0, 0.0, 1, 0)]
+    while heap and len(tokens) < budget:
+        neg, _, parent, pscore, d, r = heapq.heappop(heap)
+        tokens.append(top_id[d - 1][r])
+        parents.append(parent)
+        depths.append(d)
+        node = len(tokens)
+        if r + 1 < k:
+            heapq.heappush(heap, (-(pscore + top_lp[d - 1][r + 1]), len(tokens) * 2, parent, pscore, d, r + 1))
+        if d < D:
+            heapq.heappush(heap, (neg - top_lp[d][0], len(tokens) * 2 + 1, node, -neg, d + 1, 0))
+    return tokens, parents, depths
+
+
+def verify_tree(model, cache, root, draft_logits, start, layer_ids, budget, top_k):
+    dev = draft_logits.device
+    tokens, parents, depths = build_tree(draft_logits.float().log_softmax(-1), budget, top_k)
+    n = len(tokens) + 1
+    anc = torch.zeros(n, n, dtype=torch.bool)                                     # anc[i, j]: j is i or its ancestor
+    anc[0, 0] = True
+    for i, p in enumerate(parents, 1):
+        anc[i] = anc[p]
+        anc[i, i] = True
+    mask = torch.zeros(1, 1, n, start + n, dtype=model.dtype, device=dev)         # all past visible
+    mask[0, 0, :, start:].masked_fill_(~anc.to(dev), torch.finfo(model.dtype).min)
+    ids = torch.tensor([root] + tokens, device=dev)
+    pos = start + torch.tensor([0] + depths, device=dev)
+    logits, feats = target_forward(model, ids, pos, cache, layer_ids, mask=mask)
+    post = logits.argmax(-1).tolist()                                             # [n]
+    children = defaultdict(dict)
+    for i, (p, t) in enumerate(zip(parents, tokens), 1):
+        children[p].setdefault(t, i)
+    path = [0]
+    while post[path[-1]] in children[path[-1]]:                                   # follow the target's argmax
+        path.append(children[path[-1]][post[path[-1]]])
+    gather_cache(cache, torch.cat([torch.arange(start, device=dev), start + torch.tensor(path, device=dev)]))
+    return ids[path].tolist(), post[path[-1]], None if feats is None else feats[path]
+
+
+@torch.no_grad()
+def speculative_decode(model, prompt_ids, proposer, block_size, max_new_tokens, eos, tree_budget=0,
+                       tree_top_k=TREE_TOP_K) -> dict:
+    """-> {tokens: generated ids, steps: tokens committed per verify step}. tree_budget > 0: DDTree verification."""
+    from transformers import DynamicCache
+    dev, L = model.device, len(prompt_ids)
+    cache = DynamicCache()
+    logits, feats = target_forward(model, torch.tensor(prompt_ids, device=dev), torch.arange(L, device=dev), cache,
+                                   proposer.layer_ids, last_only=True)
+    new, steps = [int(logits[-1].argmax())], []
+    proposer.reset(prompt_ids, feats)
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        start = L + len(new) - 1                                   # position of the last committed token
+        draft_logits = proposer.propose(prompt_ids + new, start, block_size)                 # [B-1, V]
+        if tree_budget:
+            path, bonus, feats = verify_tree(model, cache, new[-1], draft_logits, start, proposer.layer_ids,
+                                             tree_budget, tree_top_k)
+        else:
+            path, bonus, feats = verify_block(model, cache, new[-1], draft_logits, start, proposer.layer_ids)
+        committed = path[1:] + [bonus]
+        cut = next((i + 1 for i, t in enumerate(committed) if t in eos), len(committed))
+        committed = committed[: min(cut, max_new_tokens - len(new))]
+        new += committed
+        steps.append(len(committed))
+        proposer.commit(feats, torch.arange(start, start + len(path), device=dev))
+    return {"tokens": new, "steps": steps}
+
+
+# ---------------------------------------------------------------------------
+# Evaluation over a prompt set
+
+def _first_mismatch(got, want):
+    if got == want:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return {"position": i, "got": got[i] if i < len(got) else None, "want": want[i] if i < len(want) else None,
+            "got_len": len(got), "want_len": len(want)}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]      # a prompt done after the prefill token has no verify step
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _by_category(rows, key):
+    """Mean of rows[key] per category, plus per group for categories like 'mtbench/math' -> 'mtbench'."""
+    groups = defaultdict(list)
+    for r in rows:
+        cat = r["category"]
+        groups[cat].append(r[key])
+        if "/" in cat:
+            groups[cat.split("/")[0]].append(r[key])
+    return {c: _mean(v) for c, v in sorted(groups.items())}
+
+
+def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
+             tree_budget=0, device=None, *, tree_top_k=TREE_TOP_K, enable_thinking=None, on_too_long="error",
+             reference=None, log=print) -> dict:
+    """tau, losslessness and speed of `drafter` on `prompts` (rows as in load_prompts).
+
+    target_model: an HF causal LM (attn_implementation sdpa or eager for trees) or a model.target.Target;
+    drafter: a Drafter in memory (on the target's device; any dtype) or a proposer (see DrafterProposer);
+    block_size: default the drafter's; tree_budget > 0 also runs DDTree on the same prompts;
+    reference: a dict kept by the caller across calls (the trainer) to reuse the greedy reference decodes and their
+    timing: they depend on the target and prompts only, not on the drafter;
+    log: called with one line per prompt (None: quiet)."""
+    model = target_model.model if isinstance(target_model, Target) else target_model
+    model.eval()
+    device = torch.device(device) if device is not None else model.device
+    assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
+    proposer = drafter if hasattr(drafter, "propose") else DrafterProposer(drafter, model)
+    block_size = block_size or proposer.drafter.config.block_size
+    if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
+                         f"'eager' (it has {model.config._attn_implementation!r})")
+    eos = eos_ids(model, tokenizer)
+    log = log or (lambda *_: None)
+    reference = {} if reference is None else reference
+
+    limit = model.config.get_text_config().max_position_embeddings
+    items, skipped = [], []
+    for row in prompts:
+        ids = encode_prompt(tokenizer, row, enable_thinking)
+        need = len(ids) + max_new_tokens + block_size - 1
+        if need > limit:
+            msg = (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
+                   f"{block_size} it needs {need} positions, the target has max_position_embeddings={limit}")
+            if on_too_long != "skip":
+                raise PromptTooLong(msg + "; shorten it, lower --max-new-tokens, or pass --skip-long")
+            log(f"warning: skipped {msg}")
+            skipped.append(row["id"])
+            continue
+        items.append((row, ids))
+    assert items, "no prompts to evaluate"
+
+    modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
+    row0, ids0 = items[0]                                          # untimed warm-up of every code path
+    greedy_decode(model, ids0, WARMUP_TOKENS, eos)
+    for budget in modes.values():
+        speculative_decode(model, ids0, proposer, block_size, WARMUP_TOKENS, eos, budget, tree_top_k)
+
+    per_prompt, seconds, gen_tokens = [], Counter(), Counter()
+    for n, (row, ids) in enumerate(items, 1):
+        key = (tuple(ids), max_new_tokens)
+        if key not in reference:
+            _sync(device)
+            t0 = time.perf_counter()
+            want = greedy_decode(model, ids, max_new_tokens, eos)
+            _sync(device)
+            reference[key] = (want, time.perf_counter() - t0)
+        want, secs = reference[key]
+        seconds["greedy"] += secs
+        gen_tokens["greedy"] += len(want)
+        r = {"id": row["id"], "category": row.get("category", "all"), "prompt_tokens": len(ids),
+             "seconds": {"greedy": secs}}
+        for mode, budget in modes.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            got = speculative_decode(model, ids, proposer, block_size, max_new_tokens, eos, budget, tree_top_k)
+            _sync(device)
+            r["seconds"][mode] = time.perf_counter() - t0
+            seconds[mode] += r["seconds"][mode]
+            gen_tokens[mode] += len(got["tokens"])
+            pre = "" if mode == "dflash" else "tree_"
+            r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
+                  f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
+            if mode == "dflash":
+                r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
+                if tokenizer is not None:
+                    r["text"] = tokenizer.decode(got["tokens"])
+        r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+        per_prompt.append(r)
+        tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
+        bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
+        log(f"[{n}/{len(items)}] {r['id']} prompt={len(ids)} new={r['new_tokens']} steps={len(r['steps'])} "
+            f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+
+    tok_s = {m: gen_tokens[m] / seconds[m] if seconds[m] else float("nan") for m in seconds}
+    result = {
+        "tau": _mean([r["tau"] for r in per_prompt]),
+        "lossless": all(r["lossless"] for r in per_prompt),
+        "prompts": len(per_prompt),
+        "tau_by_category": _by_category(per_prompt, "tau"),
+        "accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["steps"]).items())),
+        "tokens_per_s": tok_s,
+        "speedup": tok_s["dflash"] / tok_s["greedy"],
+        "mismatches": [{"id": r["id"], "dflash": r["mismatch"], "ddtree": r.get("tree_mismatch")}
+                       for r in per_prompt if not r["lossless"]],
+        "skipped": skipped,
+        "config": {"block_size": block_size, "max_new_tokens": max_new_tokens, "tree_budget": tree_budget,
+                   "tree_top_k": tree_top_k, "device": str(device), "dtype": str(model.dtype).replace("torch.", ""),
+                   "enable_thinking": enable_thinking, "eos_ids": sorted(eos)},
+        "per_prompt": per_prompt,
+    }
+    if tree_budget:
+        result |= {"tree_tau": _mean([r["tree_tau"] for r in per_prompt]),
+                   "tree_tau_by_category": _by_category(per_prompt, "tree_tau"),
+                   "tree_accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["tree_steps"]).items())),
+                   "tree_speedup": tok_s["ddtree"] / tok_s["greedy"]}
+    return result
+
+
+def report_lines(res) -> list[str]:
+    """Human summary; the last line is `tau=<x.xx> lossless=<yes|no> prompts=<n>`."""
+    tree = bool(res["config"]["tree_budget"])
+    lines = [f"{'category':<24} {'tau':>6}" + (f" {'tree_tau':>8}" if tree else "")]
+    for cat, tau in res["tau_by_category"].items():
+        lines.append(f"{cat:<24} {_fmt(tau):>6}" + (f" {_fmt(res['tree_tau_by_category'][cat]):>8}" if tree else ""))
+    total = max(1, sum(res["accept_hist"].values()))
+    hist = "  ".join(f"{k}:{v / total:.1%}" for k, v in res["accept_hist"].items())
+    lines.append(f"committed tokens per step: {hist}")
+    s = res["tokens_per_s"]
+    lines.append(f"tok/s greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
+                 + (f" | ddtree {s['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x, tree_tau "
+                    f"{_fmt(res['tree_tau'])}, budget {res['config']['tree_budget']})" if tree else ""))
+    for m in res["mismatches"]:
+        lines.append(f"NOT LOSSLESS {m['id']}: dflash {m['dflash']} ddtree {m['ddtree']}")
+    if res["skipped"]:
+        lines.append(f"skipped (too long): {len(res['skipped'])}")
+    lines.append(f"tau={_fmt(res['tau'])} lossless={'yes' if res['lossless'] else 'no'} prompts={res['prompts']}")
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="local HF causal LM folder")
+    p.add_argument("--drafter", required=True, help="exported drafter folder (config.json + model.safetensors)")
+    p.add_argument("--prompts", required=True, help="JSONL rows with messages | prompt | input_ids, optional category")
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--tree-budget", type=int, default=0, help="DDTree node budget; 0 = block verification only")
+    p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--thinking", choices=["auto", "on", "off"], default="auto",
+                   help="enable_thinking for the chat template: the same as the training data (auto: template default)")
+    p.add_argument("--skip-long", action="store_true", help="skip prompts over the context limit (default: error)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--out", default=None, help="write everything as JSON here")
+    a = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from model.export import load_drafter
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = Path(a.target).expanduser()
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True).to(device)
+    drafter = load_drafter(Path(a.drafter).expanduser(), device=device, dtype=dtype).eval()
+    prompts = load_prompts(a.prompts, a.limit)
+    thinking = {"auto": None, "on": True, "off": False}[a.thinking]
+    print(f"target {target.name} | drafter {a.drafter} ({drafter.config.num_hidden_layers} layers, taps "
+          f"{drafter.config.target_layer_ids}) | {len(prompts)} prompts | {device} {str(dtype).replace('torch.', '')}")
+    try:
+        res = evaluate(model, tokenizer, drafter, prompts, a.block_size, a.max_new_tokens, a.tree_budget, device,
+                       tree_top_k=a.tree_top_k, enable_thinking=thinking,
+                       on_too_long="skip" if a.skip_long else "error")
+    except PromptTooLong as e:
+        sys.exit(f"error: {e}")
+    res["config"] |= {"target": str(target), "drafter": str(a.drafter), "prompts_file": str(a.prompts),
+                      "torch": torch.__version__}
+    if a.out:
+        tmp = f"{a.out}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, a.out)
+        print(f"wrote {a.out}")
+    for line in report_lines(res):
+        print(line)
+    return res
+
+
+if __name__ == "__main__":
+    main()

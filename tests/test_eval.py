@@ -1,0 +1,209 @@
+"""eval_dflash: the verify/accept/commit loop against plain greedy decoding, oracle and wrong proposers, DDTree, the
+drafter's context KV cache, the context limit, and the CLI on SmolLM2."""
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import SMOLLM2_DIR
+from eval_dflash import (PromptTooLong, build_tree, evaluate, greedy_decode, main, prompt_messages,
+                         speculative_decode)
+from model.drafter import DrafterCache
+from model.export import export_drafter, load_drafter
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                local_files_only=True).eval()
+
+
+def prompts(lengths=(5, 13, 30), vocab=127):
+    g = torch.Generator().manual_seed(1)
+    return [{"id": f"p{i}", "category": ("a", "b/x", "b/y")[i % 3],
+             "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for i, n in enumerate(lengths)]
+
+
+class Oracle:
+    """Proposes the target's own greedy continuation, found by running the target B-1 times without a cache.
+    wrong_slot(start) -> slot (1..B-1) whose token is replaced by the next vocabulary id, or None;
+    rank2=True keeps the right token there as the second choice (a tree can still find it)."""
+    layer_ids = None
+
+    def __init__(self, model, wrong_slot=lambda start: None, rank2=False):
+        self.model, self.wrong_slot, self.rank2 = model, wrong_slot, rank2
+
+    def reset(self, prompt_ids, features):
+        pass
+
+    def commit(self, features, positions):
+        pass
+
+    @torch.no_grad()
+    def propose(self, tokens, start, block_size):
+        seq, V = list(tokens), self.model.config.vocab_size
+        logits = torch.zeros(block_size - 1, V)
+        for k in range(1, block_size):
+            t = int(self.model(torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(t)
+            if k == self.wrong_slot(start):
+                logits[k - 1, (t + 1) % V] = 5.0
+                logits[k - 1, t] = 4.0 if self.rank2 else 0.0
+            else:
+                logits[k - 1, t] = 5.0
+        return logits
+
+
+def run(target, proposer, max_new, **kw):
+    return evaluate(target, None, proposer, prompts(), block_size=B, max_new_tokens=max_new, log=None, **kw)
+
+
+def test_oracle_gives_tau_block_size(target):
+    res = run(target, Oracle(target), 1 + 3 * B)
+    assert res["lossless"] and res["tau"] == B
+    assert all(r["steps"] == [B, B, B] for r in res["per_prompt"])
+    assert res["accept_hist"] == {B: 9} and set(res["tau_by_category"]) == {"a", "b", "b/x", "b/y"}
+    res = run(target, Oracle(target), 1 + 3 * B + 2)          # the last step is capped by max_new_tokens
+    assert res["lossless"] and all(r["steps"] == [B, B, B, 2] for r in res["per_prompt"])
+    assert res["tau"] == pytest.approx((3 * B + 2) / 4)
+
+
+def test_wrong_drafter_gives_tau_one(target):
+    res = run(target, Oracle(target, wrong_slot=lambda s: 1), 20)
+    assert res["lossless"] and res["tau"] == 1.0
+    assert all(r["steps"] == [1] * 19 for r in res["per_prompt"])
+
+
+def test_stops_at_eos(target):
+    ids = prompts()[1]["input_ids"]
+    want = greedy_decode(target, ids, 30, eos=set())
+    eos = {want[9]}
+    cut = want[: want.index(want[9]) + 1]
+    assert greedy_decode(target, ids, 30, eos) == cut
+    got = speculative_decode(target, ids, Oracle(target), B, 30, eos)
+    assert got["tokens"] == cut and sum(got["steps"]) == len(cut) - 1
+
+
+def test_random_drafter_lossless_after_export(target, build_drafter, tiny_qwen3_dir, tmp_path):
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B)
+    d = load_drafter(export_drafter(d, tmp_path / "drafter"))
+    res = evaluate(target, None, d, prompts(), max_new_tokens=24, tree_budget=12, tree_top_k=4, log=None)
+    assert res["config"]["block_size"] == B and res["prompts"] == 3
+    assert res["lossless"], res["mismatches"]
+    assert 1.0 <= res["tau"] <= B and 1.0 <= res["tree_tau"] <= B
+
+
+def test_chain_tree_equals_block_verification(target):
+    # wrong at a slot that moves with the position: accepted lengths 0..B-1 all occur
+    oracle = Oracle(target, wrong_slot=lambda s: 1 + s % B)
+    res = run(target, oracle, 30, tree_budget=B - 1, tree_top_k=1)
+    assert res["lossless"], res["mismatches"]
+    assert len(res["accept_hist"]) > 2
+    for r in res["per_prompt"]:
+        assert r["tree_steps"] == r["steps"] and r["tree_tau"] == r["tau"]
+
+
+def test_tree_finds_second_choices_and_stays_lossless(target):
+    oracle = Oracle(target, wrong_slot=lambda s: 1 + s % (B - 1), rank2=True)
+    res = run(target, oracle, 1 + 4 * B, tree_budget=20, tree_top_k=2)
+    assert res["lossless"], res["mismatches"]
+    assert res["tau"] < B and res["tree_tau"] == B            # the right token is always in the tree
+
+
+def test_build_tree_best_first():
+    logp = torch.tensor([[0.0, -1.0, -3.0], [-0.5, -2.0, -9.0], [-0.1, -0.2, -9.0]])   # [D=3, V=3]
+    tokens, parents, depths = build_tree(logp, budget=5, top_k=2)
+    # path scores: 0, -0.5, -0.6, -0.7, -1.0 are the five best; parents come before their children
+    assert list(zip(tokens, parents, depths)) == [(0, 0, 1), (0, 1, 2), (0, 2, 3), (1, 2, 3), (1, 0, 1)]
+    tokens, parents, depths = build_tree(logp, budget=3, top_k=1)
+    assert (tokens, parents, depths) == ([0, 0, 0], [0, 1, 2], [1, 2, 3])
+
+
+def test_prompt_over_context_limit(target):
+    rows = prompts() + [{"id": "huge", "input_ids": [1] * 500}]     # tiny target: max_position_embeddings 512
+    with pytest.raises(PromptTooLong, match="'huge' has 500 tokens"):
+        evaluate(target, None, Oracle(target), rows, block_size=B, max_new_tokens=16, log=None)
+    res = evaluate(target, None, Oracle(target), rows, block_size=B, max_new_tokens=16, on_too_long="skip", log=None)
+    assert res["skipped"] == ["huge"] and res["prompts"] == 3
+
+
+@pytest.mark.parametrize("sliding", [0, 1])
+def test_drafter_cache_equals_full_recompute(build_drafter, tiny_qwen3_dir, sliding):
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B, sliding_window_layers=sliding,
+                      sliding_window=5 if sliding else None)
+    cfg, T = d.config, 11
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(T + 3, cfg.num_taps * cfg.hidden_size, generator=g)
+    emb = torch.randn(B, cfg.hidden_size, generator=g)
+    pos, bpos = torch.arange(T + 3), torch.arange(T, T + B)
+    with torch.no_grad():
+        cache = DrafterCache(d)
+        cache.append(feats[:7], pos[:7])
+        cache.append(feats[7:], pos[7:])              # 3 rows too many (a rejected draft) ...
+        cache.crop(T)                                 # ... rolled back
+        got = d.step(cache, emb, bpos)
+        attn = d.attn_spec(torch.tensor([T]), torch.tensor([0]), torch.zeros(T, dtype=torch.long))
+        want = d(feats[:T], pos[:T], emb, bpos, attn)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_first_user_turn_only():
+    row = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+                        {"role": "user", "content": "q2"}]}
+    assert [m["content"] for m in prompt_messages(row)] == ["s", "q1"]
+    assert prompt_messages({"prompt": "hi"}) == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.skipif(not SMOLLM2_DIR.exists(), reason=f"no SmolLM2 folder at {SMOLLM2_DIR}")
+def test_cli_smollm2(tmp_path, capsys):
+    from transformers import AutoConfig
+    from model.drafter import Drafter, DrafterConfig
+    torch.manual_seed(0)
+    d = Drafter(DrafterConfig.from_target(AutoConfig.from_pretrained(SMOLLM2_DIR), 1, B, mask_token_id=16))
+    export_drafter(d, tmp_path / "drafter")
+    rows = [{"id": "mt", "category": "mtbench/x", "messages": [{"role": "user", "content": "Name a colour."},
+                                                               {"role": "user", "content": "Another one."}]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "res.json"
+    main(["--target", str(SMOLLM2_DIR), "--drafter", str(tmp_path / "drafter"), "--prompts",
+          str(tmp_path / "p.jsonl"), "--max-new-tokens", "6", "--tree-budget", "6", "--out", str(out)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"tau=\d+\.\d\d lossless=yes prompts=1", last), last
+    res = json.loads(out.read_text())
+    assert res["lossless"] and res["prompts"] == 1 and "ddtree" in res["tokens_per_s"]
+    assert res["per_prompt"][0]["prompt_tokens"] > 10
+
+
+def test_proposals_equal_training_forward(target, build_drafter, tiny_qwen3_dir):
+    """Every proposal of the cached decode loop equals the training-time forward: features of all tokens before the
+    block from a fresh no-cache target run (model.target.Target: layer hooks, no hidden_states offset to get wrong),
+    one block [token at start, MASK...] at positions start.., the training mask."""
+    from eval_dflash import DrafterProposer
+    from model.target import Target
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B)
+    tgt = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=d.config.target_layer_ids)
+    seen = []
+
+    class Recording(DrafterProposer):
+        def propose(self, tokens, start, block_size):
+            logits = super().propose(tokens, start, block_size)
+            seen.append((list(tokens), start, logits))
+            return logits
+
+    ids = prompts()[1]["input_ids"]
+    for budget in (0, 6):                                          # block and tree verification commit differently
+        seen.clear()
+        speculative_decode(target, ids, Recording(d, target), B, 20, set(), tree_budget=budget, tree_top_k=3)
+        assert len(seen) > 3
+        for tokens, start, logits in seen:
+            with torch.no_grad():
+                feats = tgt.features(torch.tensor([tokens[:start]]))[0]                       # [start, K*H]
+                block = torch.tensor([tokens[start]] + [d.config.mask_token_id] * (B - 1))
+                attn = d.attn_spec(torch.tensor([start]), torch.tensor([0]), torch.zeros(start, dtype=torch.long))
+                h = d(feats, torch.arange(start), tgt.embed_tokens(block), torch.arange(start, start + B), attn)
+                want = target.lm_head(h[1:])
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
