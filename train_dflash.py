@@ -74,6 +74,10 @@ LOG_EVERY = 10              # optimizer steps between status lines
 LOG_SECONDS = 60.0          # ... or at most this many seconds
 HEARTBEAT_TIMEOUT = 30.0    # s without a heartbeat before a rank is declared dead
 STALL_TIMEOUT = 600.0       # s without progress on any rank (after start-up) before the job is ended
+EVAL_EVERY = 0              # run the tau evaluation on every N-th checkpoint (0 = off); on the master drafter rank
+EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_prompts.jsonl)
+EVAL_LIMIT = 16             # prompts per evaluation
+EVAL_MAX_NEW_TOKENS = 128   # tokens generated per prompt
 TENSORBOARD = False         # also log to OUT_DIR/tb
 WANDB_PROJECT = ""          # also log to this W&B project ("" = off)
 DRY_RUN = False             # check the config and data, print the plan, exit before loading any model
@@ -128,7 +132,8 @@ def check_config(world: int) -> None:
     if world > 1 and not 1 <= TARGET_RANKS < world:
         errs.append(f"TARGET_RANKS={TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
                     f"(at least one drafter rank); launch more processes or lower TARGET_RANKS")
-    for name, lo in [("BLOCK_SIZE", 2), ("GRAD_ACCUM", 1), ("MAX_ANCHORS", 1), ("TOKEN_BUDGET", 2),
+    for name, lo in [("BLOCK_SIZE", 2), ("GRAD_ACCUM", 1), ("EVAL_EVERY", 0), ("EVAL_LIMIT", 1),
+                     ("EVAL_MAX_NEW_TOKENS", 1), ("MAX_ANCHORS", 1), ("TOKEN_BUDGET", 2),
                      ("MAX_BATCH_SIZE", 1), ("NUM_DRAFT_LAYERS", 1), ("EPOCHS", 1), ("KEEP_LAST", 0),
                      ("SAVE_EVERY", 1), ("LOG_EVERY", 1), ("Q_PREFETCH", 1), ("Q_HS", 1), ("SEND_DEPTH", 1)]:
         if globals()[name] < lo:
@@ -153,6 +158,8 @@ def check_config(world: int) -> None:
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
+    if EVAL_EVERY and not Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl").exists():
+        errs.append(f"EVAL_PROMPTS={EVAL_PROMPTS!r} does not exist (a JSONL of prompts, see eval_dflash.py)")
     if not Path(DATA).is_dir():
         errs.append(f"DATA={DATA} is not a folder: prepare one with `python -m data.prepare --tokenizer "
                     f"{TARGET} --out DIR INPUT.jsonl`")
@@ -231,23 +238,35 @@ class Phase:
 
 # --- data -----------------------------------------------------------------------------------------------------------
 
+def read_arrow_dataset(path):
+    """A `datasets.save_to_disk` folder as one pyarrow Table, read straight from its Arrow files (memory-mapped):
+    training hosts need pyarrow, not the `datasets` package."""
+    import pyarrow as pa
+    path = Path(path)
+    state = path / "state.json"
+    if not state.exists():
+        from datasets import load_from_disk   # some other layout: let datasets read it
+        return load_from_disk(str(path)).flatten_indices().data.table
+    files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files])
+
+
 class Data:
     """The prepared dataset as flat numpy arrays (fast random access from any thread), rows that cannot train
     dropped with a count per reason, and the batch plan."""
 
     def __init__(self, path, vocab_rows, block_size):
         import numpy as np
-        from datasets import load_from_disk
         from data.batching import BatchPlan
         try:
-            ds = load_from_disk(path)
+            table = read_arrow_dataset(path)
         except Exception as e:  # noqa: BLE001 - any unreadable folder gets the same advice
             sys.exit(f"error: cannot load the dataset at DATA={path} ({type(e).__name__}: {e}); prepare it with "
                      f"`python -m data.prepare`")
-        missing = {"input_ids", "loss_mask"} - set(ds.column_names)
+        missing = {"input_ids", "loss_mask"} - set(table.column_names)
         if missing:
             sys.exit(f"error: dataset {path} lacks column(s) {sorted(missing)}; prepare it with `python -m data.prepare`")
-        ids_col, mask_col = ds.data.column("input_ids").combine_chunks(), ds.data.column("loss_mask").combine_chunks()
+        ids_col, mask_col = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
         self.offsets = ids_col.offsets.to_numpy().astype(np.int64)                        # [n+1]
         self.ids = ids_col.flatten().to_numpy().astype(np.int64)                         # [tokens]
         mask_offsets = mask_col.offsets.to_numpy().astype(np.int64)
@@ -818,6 +837,40 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
         except ckpt.CheckpointError as e:
             raise SystemExit(f"error: {e}")
         log(f"saved {path} ({time.time() - t:.1f}s)")
+        saves[0] += 1
+        if EVAL_EVERY and saves[0] % EVAL_EVERY == 0:
+            evaluate_now(step_now)
+
+    saves = [0]
+    evaluator = {}   # the HF target, tokenizer, prompts and greedy references, loaded at the first evaluation
+
+    def evaluate_now(step_now):
+        """tau of the current drafter on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
+        filling the queues, so the pipeline stalls no longer than the evaluation itself."""
+        from eval_dflash import evaluate, load_prompts
+        t = time.time()
+        if not evaluator:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=d.dtype, attn_implementation="sdpa",
+                                                         local_files_only=True).to(d.device).eval()
+            evaluator.update(model=model, tok=AutoTokenizer.from_pretrained(TARGET, local_files_only=True),
+                             prompts=load_prompts(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl",
+                                                  limit=EVAL_LIMIT), reference={})
+        if watchdog:
+            watchdog.state = f"evaluating tau at step {step_now}"
+        drafter.eval()
+        with torch.no_grad():
+            res = evaluate(evaluator["model"], evaluator["tok"], drafter, evaluator["prompts"],
+                           max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
+                           reference=evaluator["reference"], log=None)
+        drafter.train()
+        last_eval.update(tau=res["tau"], lossless=res["lossless"])
+        metrics.write({"time": time.time(), "step": step_now, "tau": res["tau"], "lossless": res["lossless"],
+                       "tau_by_category": res.get("tau_by_category"), "eval_s": time.time() - t})
+        log(f"eval step {step_now}: tau={res['tau']:.2f} lossless={'yes' if res['lossless'] else 'no'} "
+            f"prompts={len(evaluator['prompts'])} ({time.time() - t:.0f}s)")
+
+    last_eval = {}
 
     while step < total_steps:
         lr = sched.lr(g_at(step))
@@ -928,8 +981,9 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
                        "ddp_weight_spread": spread}
                 metrics.write(row)
                 el = now - t_start
+                tau = f" tau={last_eval['tau']:.2f}" if last_eval else ""
                 log(f"[{el / 60:.0f}m] step={step}/{total_steps} loss={row['loss']:.3f} acc={row['acc']:.3f} "
-                    f"streak={row['streak']:.2f} lr={lr:.1e} noise={noise_std:.3f} | tgt={tgt_rate:.2f}b/s "
+                    f"streak={row['streak']:.2f}{tau} lr={lr:.1e} noise={noise_std:.3f} | tgt={tgt_rate:.2f}b/s "
                     f"dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | q_pre={q_pre} q_hs={q_hs} | "
                     f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")
             t_log, step_at_log, tokens_since, mb_since = now, step, 0, 0

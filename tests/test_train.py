@@ -138,7 +138,8 @@ def test_changed_dataset_is_detected(assets, tmp_path):
 def test_two_nodes_on_loopback_train_and_resume_like_one(assets, tmp_path):
     target, data = assets
     args = dict(EPOCHS=2)
-    ok(run(2, base_args(target, data, tmp_path / "one", **args)))
+    for extra in (dict(MAX_STEPS=3), {}):   # the same two legs on one node: 3 steps, then resume to the end
+        ok(run(2, base_args(target, data, tmp_path / "one", **args, **extra)))
     out = tmp_path / "two"
     port = free_port()
 
@@ -174,3 +175,26 @@ def test_bogus_setting_and_dry_run(assets, tmp_path):
     target, data = assets
     r = ok(run(1, base_args(target, data, tmp_path / "out", DRY_RUN=True)))
     assert "DRY_RUN" in r.stdout and "load target" not in r.stdout
+
+
+SMOL = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not (SMOL / "tokenizer.json").exists(), reason="needs the SmolLM2 folder (python -m tools.smollm2)")
+def test_eval_during_training_logs_tau(tmp_path):
+    """EVAL_EVERY: tau of the checkpointed drafter, measured on the master, in the status line and metrics.jsonl.
+    A tiny random target with SmolLM2's tokenizer keeps it fast; the shipped dataset fits its vocabulary."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    tgt = tmp_path / "target"
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=4096, tie_word_embeddings=True)).save_pretrained(tgt)
+    AutoTokenizer.from_pretrained(SMOL).save_pretrained(tgt)
+    r = ok(run(1, base_args(tgt, REPO / "data" / "default" / "smollm2", tmp_path / "out", MASK_TOKEN_ID=-1,
+                            TOKEN_BUDGET=1024, MAX_STEPS=4, SAVE_EVERY=2, EVAL_EVERY=1, EVAL_LIMIT=2,
+                            EVAL_MAX_NEW_TOKENS=6)))
+    evals = [m for m in metrics(tmp_path / "out") if "tau" in m]
+    assert [m["step"] for m in evals] == [2, 4]
+    assert all(m["lossless"] and 1.0 <= m["tau"] <= 4 for m in evals), evals
+    assert "eval step 4: tau=" in r.stdout and " tau=" in r.stdout.split("eval step 2")[1]
