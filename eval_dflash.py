@@ -334,6 +334,8 @@ def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new
     model = target_model.model if isinstance(target_model, Target) else target_model
     model.eval()
     device = torch.device(device) if device is not None else model.device
+    if device.type == "cuda" and device.index is None:   # "cuda" means the current GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
     proposer = drafter if hasattr(drafter, "propose") else DrafterProposer(drafter, model)
     block_size = block_size or proposer.drafter.config.block_size

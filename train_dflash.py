@@ -78,6 +78,8 @@ EVAL_EVERY = 0              # run the tau evaluation on every N-th checkpoint (0
 EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_prompts.jsonl)
 EVAL_LIMIT = 16             # prompts per evaluation
 EVAL_MAX_NEW_TOKENS = 128   # tokens generated per prompt
+EVAL_DTYPE = "float32"      # target dtype for it: float32 keeps the losslessness check exact (bf16 block vs
+#                             one-token forwards round differently, which can flip near-tied greedy tokens)
 TENSORBOARD = False         # also log to OUT_DIR/tb
 WANDB_PROJECT = ""          # also log to this W&B project ("" = off)
 DRY_RUN = False             # check the config and data, print the plan, exit before loading any model
@@ -158,6 +160,8 @@ def check_config(world: int) -> None:
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
+    if EVAL_DTYPE not in ("float32", "bfloat16"):
+        errs.append(f"EVAL_DTYPE={EVAL_DTYPE!r}: allowed are float32, bfloat16")
     if EVAL_EVERY and not Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl").exists():
         errs.append(f"EVAL_PROMPTS={EVAL_PROMPTS!r} does not exist (a JSONL of prompts, see eval_dflash.py)")
     if not Path(DATA).is_dir():
@@ -637,7 +641,15 @@ def main(argv):
                 planned_g = meta.get("planned_g")
             elif d.is_master:
                 log(f"NOTE: EPOCHS/MAX_STEPS changed since the checkpoint: the LR schedule is re-planned")
-            if old["content_hash"] != data.content_hash or old["num_batches"] != data.plan.num_batches:
+            if old["content_hash"] == data.content_hash and old["num_batches"] != data.plan.num_batches:
+                # same data, other TOKEN_BUDGET / MAX_BATCH_SIZE: micro-batch numbers mean other batches now
+                start_g = round(start_g / old["num_batches"] * data.plan.num_batches)
+                planned_g = None
+                if d.is_master:
+                    log(f"NOTE: batching changed since the checkpoint ({old['num_batches']} -> "
+                        f"{data.plan.num_batches} micro-batches/epoch): continuing at the same fraction of the data "
+                        f"(micro-batch {start_g}), LR schedule re-planned")
+            elif old["content_hash"] != data.content_hash:
                 what = (f"dataset changed since {resume_path}: it had {old['rows']} rows / {old['num_batches']} "
                         f"micro-batches (hash {old['content_hash'][:12]}), now {data.num_rows} / "
                         f"{data.plan.num_batches} (hash {data.content_hash[:12]})")
@@ -851,7 +863,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
         t = time.time()
         if not evaluator:
             from transformers import AutoModelForCausalLM, AutoTokenizer
-            model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=d.dtype, attn_implementation="sdpa",
+            model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
+                                                         attn_implementation="sdpa",
                                                          local_files_only=True).to(d.device).eval()
             evaluator.update(model=model, tok=AutoTokenizer.from_pretrained(TARGET, local_files_only=True),
                              prompts=load_prompts(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl",

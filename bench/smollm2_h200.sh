@@ -9,12 +9,14 @@ SMOL=${2:-$HOME/.cache/dflash/smollm2-135m-instruct}
 PY=${PY:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
 START=$(date +%s)
-$PY -m torch.distributed.run --nproc-per-node 2 train_dflash.py --TARGET="$SMOL" --OUT_DIR="$OUT" \
+mkdir -p "$OUT"
+# TRAIN_SECONDS bounds the run inside one device call: SIGTERM makes it save and stop at the next step
+timeout -s TERM ${TRAIN_SECONDS:-100000} $PY -m torch.distributed.run --nproc-per-node 2 train_dflash.py --TARGET="$SMOL" --OUT_DIR="$OUT" \
     --TOKEN_BUDGET=8192 --MAX_BATCH_SIZE=64 --MAX_ANCHORS=512 --BLOCK_SIZE=16 --GAMMA=7 --NUM_DRAFT_LAYERS=5 \
     --EPOCHS=${EPOCHS:-24} --LR=6e-4 --SAVE_EVERY=${SAVE_EVERY:-200} --KEEP_LAST=50 --LOG_EVERY=50 \
-    --EVAL_EVERY=1 --EVAL_PROMPTS=data/default/eval_quick.jsonl --EVAL_LIMIT=24 --EVAL_MAX_NEW_TOKENS=128
+    --EVAL_EVERY=1 --EVAL_PROMPTS=data/default/eval_quick.jsonl --EVAL_LIMIT=24 --EVAL_MAX_NEW_TOKENS=128 2>&1 | tee "$OUT/train.log" | grep -v "Loading weights\|Writing model" || true
 echo "train+eval wall: $(( $(date +%s) - START )) s"
 LAST=$(ls -d "$OUT"/checkpoints/step_* | sort | tail -1)
-$PY eval_dflash.py --target "$SMOL" --drafter "$LAST/drafter" --prompts data/default/eval_prompts.jsonl \
+timeout ${EVAL_SECONDS:-100000} $PY eval_dflash.py --target "$SMOL" --drafter "$LAST/drafter" --prompts ${FINAL_PROMPTS:-data/default/eval_prompts.jsonl} \
     --limit ${FINAL_LIMIT:-204} --max-new-tokens 128 --tree-budget 32 --skip-long --out "$OUT/eval_final.json" | tail -25
 echo "total wall: $(( $(date +%s) - START )) s"

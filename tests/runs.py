@@ -22,12 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_target(out: Path, vocab=VOCAB, layers=4, seed=0) -> Path:
+def make_target(out: Path, vocab=VOCAB, layers=4, seed=0, hidden=32, head_dim=8) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // head_dim, num_key_value_heads=hidden // head_dim // 2,
+                      head_dim=head_dim, max_position_embeddings=1024,
                       tie_word_embeddings=True, initializer_range=0.1)
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
