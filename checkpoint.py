@@ -54,8 +54,8 @@ def _fsync_tree(path: Path) -> None:
 
 def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_last: int) -> Path:
     """Write checkpoint `step` atomically; `write_drafter(folder)` writes the serving export.
-    Raises CheckpointError (disk full or other OS error) after removing the partial folder; older checkpoints
-    are untouched."""
+    Raises CheckpointError (disk full or any other write error) after removing the partial folder; older
+    checkpoints are untouched."""
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
@@ -64,7 +64,10 @@ def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_las
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        torch.save(state, tmp / "state.pt")
+        # through a Python file object: torch.save(path) reports a full disk as RuntimeError("unexpected pos"),
+        # a file object raises OSError(ENOSPC)
+        with open(tmp / "state.pt", "wb") as f:
+            torch.save(state, f)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         write_drafter(tmp / "drafter")
         files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -74,25 +77,42 @@ def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_las
         if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError, torch RuntimeError: same outcome
         shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_complete(root, quiet=True)
-        why = "the disk is full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+        why = "the disk is full" if _is_disk_full(e) else f"{type(e).__name__}: {e}"
         raise CheckpointError(
             f"could not save checkpoint step {step} in {root}: {why}. Partial files were removed; "
             + (f"the previous checkpoint {prev} is intact." if prev else "no earlier checkpoint exists.")
             + " Free space (or point OUT_DIR elsewhere) and resume with RESUME=auto.") from e
-    prune(root, keep_last)
+    prune(root, keep_last, newest=step)
     return final
 
 
-def prune(root: Path, keep_last: int) -> None:
-    if keep_last <= 0:
-        return
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _is_disk_full(e: BaseException) -> bool:
+    while e is not None:
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def prune(root: Path, keep_last: int, newest: int | None = None) -> None:
+    """Keep the last `keep_last` checkpoints up to step `newest` (the one just written; 0 = keep all) and remove
+    folders of killed writers. Checkpoints past `newest` are left alone: they are left over from before a resume
+    from an older checkpoint (usually because they failed verification) and are replaced when training gets
+    there, so counting them would delete the checkpoint just written."""
     for stale in Path(root).glob(".tmp-*"):  # left by a killed writer
         shutil.rmtree(stale, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    done = [p for p in list_checkpoints(root) if newest is None or _step_of(p) <= newest]
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(Path(path).name[len(PREFIX):])
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -101,26 +121,36 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(dirs, key=_step_of)
+
+
+REQUIRED = ("state.pt", "meta.json")
 
 
 def verify(path: Path, deep: bool = True) -> None:
-    """Raise CheckpointError naming what is wrong: missing manifest, missing file, wrong size or checksum."""
+    """Raise CheckpointError naming what is wrong: missing folder or manifest, missing file, wrong size or
+    checksum."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint folder (missing)")
     man = path / "MANIFEST.json"
     if not man.exists():
         raise CheckpointError(f"{path} has no MANIFEST.json: it was never completed")
     try:
         files = json.loads(man.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{man} is unreadable ({e})") from e
-    for name, info in files.items():
+        entries = [(name, int(info["bytes"]), str(info["sha256"])) for name, info in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:   # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{man} is unreadable ({type(e).__name__}: {e})") from e
+    for name in REQUIRED:
+        if name not in files:
+            raise CheckpointError(f"{man} does not list {name}")
+    for name, size, digest in entries:
         f = path / name
-        if not f.exists():
+        if not f.is_file():
             raise CheckpointError(f"{path}: file {name} is missing")
-        if f.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{path}: {name} has {f.stat().st_size} bytes, expected {info['bytes']} (truncated?)")
-        if deep and _sha256(f) != info["sha256"]:
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{path}: {name} has {f.stat().st_size} bytes, expected {size} (truncated?)")
+        if deep and _sha256(f) != digest:
             raise CheckpointError(f"{path}: {name} fails its sha256 check (corrupted)")
 
 

@@ -1004,7 +1004,9 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_
         if d.is_master and (step % SAVE_EVERY == 0 or step == total_steps or stopping):
             if watchdog:
                 watchdog.state = f"saving checkpoint step {step}"
+            t_pause = time.time()
             save(step, g_at(step))
+            t_log += time.time() - t_pause   # checkpoint and evaluation time is not training throughput
         if stopping:
             if d.is_master:
                 log(f"stopped at step {step} on request; resume with RESUME=auto")

@@ -198,3 +198,10 @@ def test_eval_during_training_logs_tau(tmp_path):
     assert [m["step"] for m in evals] == [2, 4]
     assert all(m["lossless"] and 1.0 <= m["tau"] <= 4 for m in evals), evals
     assert "eval step 4: tau=" in r.stdout and " tau=" in r.stdout.split("eval step 2")[1]
+
+
+def test_readme_documents_every_constant():
+    import train_dflash
+    readme = (REPO / "README.md").read_text()
+    missing = [k for k in train_dflash.CONFIG_KEYS if f"| `{k}` |" not in readme]
+    assert not missing, f"README's configuration table lacks {missing}"
