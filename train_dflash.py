@@ -386,10 +386,10 @@ def micro_seed(g: int) -> int:
 # --- the target ranks -----------------------------------------------------------------------------------------------
 
 def target_features(target, ids, attn, device):
-    """[b, S] padded -> packed (lengths, input_ids, loss_mask on CPU; features [T, K*H] on device)."""
+    """[b, S] padded -> features [T, K*H] of the real tokens, packed, on device."""
     feats = target.features(ids.to(device, non_blocking=True), attn.to(device, non_blocking=True))  # [b, S, K*H]
-    keep = attn.bool()
-    return feats[keep.to(device)]                                                   # [T, K*H]
+    keep = attn.flatten().nonzero().squeeze(1)       # found on the CPU: a boolean index on the GPU would sync
+    return feats.flatten(0, 1).index_select(0, keep.to(device, non_blocking=True))  # [T, K*H]
 
 
 def produce(d, data, sched, target, start_g, stop_g, watchdog):
@@ -437,9 +437,13 @@ class Prepared:
         self.__dict__.update(kw)
 
     def device_tensors(self):
+        import torch
         ts = [self.features, self.ctx_pos, self.block_ids, self.block_pos, self.labels, self.weights, self.rows]
-        m = self.attn
-        ts += [t for t in (m.full, m.sliding) if isinstance(t, __import__("torch").Tensor)]
+        for m in (self.attn.full, self.attn.sliding):
+            if isinstance(m, torch.Tensor):
+                ts.append(m)
+            elif m is not None:   # a flex BlockMask: its index tensors were written on the receiver's stream too
+                ts += [t for t in m.as_tuple() if isinstance(t, torch.Tensor)]
         return ts
 
 
@@ -608,6 +612,15 @@ def main(argv):
 
         with Phase(d, "load data", watchdog):
             data = Data(DATA, vocab_rows, BLOCK_SIZE)
+        if d.device.type == "cuda":   # memory plan per role; refuse what cannot fit, naming the knob
+            from planner import check_fits, estimate, format_plan
+            gpu_mem = torch.cuda.get_device_properties(d.device).total_memory
+            mplan = estimate({**config, "MAX_LEN": int(max(data.plan.lengths))}, hf_cfg, d.world, gpu_mem)
+            if d.is_master:
+                log(format_plan(mplan))
+            errs = check_fits(mplan, gpu_mem)
+            if errs:
+                sys.exit("error: the config does not fit this GPU (planner.py):\n  - " + "\n  - ".join(errs))
 
         # -- where to start: checkpoint choice is made by the master and shared through the store --
         resume_path = None

@@ -1,0 +1,1 @@
+"""GPU benchmark (bench_dflash) and the per-role memory planner (planner)."""

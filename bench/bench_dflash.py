@@ -1,0 +1,939 @@
+"""DFlash throughput and memory benchmark on random-initialised targets of real shapes; nothing is downloaded, and
+nothing is written except by --write-assets.
+
+    python -m bench.bench_dflash --mode target  --shape qwen3-8b [--mixed] [--compile]   # (a) target capacity, (d)
+    python -m bench.bench_dflash --mode drafter --shape qwen3-8b [--mixed]               # (b) drafter capacity, (d)
+    python -m bench.bench_dflash --mode pipeline                                         # (c) prints the commands below
+    torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash --mode pipeline [--pipe-compute]   # (c), (e)
+    python -m bench.bench_dflash --mode all --json bench.json                            # target + drafter (+ commands)
+    python -m bench.bench_dflash --write-assets DIR --shape qwen3-8b      # random target + data for train_dflash.py
+    python -m bench.bench_dflash --shape tiny --steps 2                                  # CPU smoke test (SDPA, fp32)
+
+What the trainer does is called, not copied: the target is a model.target.Target (built from a config instead of
+from_pretrained) run through train_dflash.target_features; the drafter's micro-batches go through
+train_dflash.make_prepare on a feeder thread (pipe.Receiver without the network); the drafter step repeats
+train_dflash.train's inner loop for one rank and GRAD_ACCUM=1. The transport is pipe.Sender / pipe.Receiver.
+Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) are train_dflash's own constants.
+Every mode prints the planner's memory estimate (planner.py) next to the measured peak.
+"""
+import argparse
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import train_dflash as td
+import planner
+
+# --- shapes -----------------------------------------------------------------------------------------------------------
+# name: family, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, rope_theta, tied embeddings, MASK id
+SHAPES = {
+    "qwen3-8b":  ("qwen3", 36, 4096, 32, 8, 128, 12288, 151936, 1e6, False, 151669),
+    "qwen3-32b": ("qwen3", 64, 5120, 64, 8, 128, 25600, 151936, 1e6, False, 151669),
+    "smol":      ("llama", 30,  576,  9, 3,  64,  1536,  49152, 1e5, True,      16),   # SmolLM2-135M
+    "tiny":      ("qwen3",  6,   64,  4, 2,  16,   128,    128, 1e4, False,    127),   # CPU tests
+}
+DATASHEET_TFLOPS = 989.0    # H100/H200 SXM dense bf16, the usual MFU denominator
+PEAK_MATMUL_N = 8192        # the measured peak: an N^3 bf16 matmul
+SYNTH_PROMPT_FRAC = 0.25    # leading share of every synthetic sequence that is prompt (loss_mask 0)
+INIT_STD = 0.02             # random init of every matrix (norm weights 1)
+ASSETS_DIR = "runs/bench_assets"   # --write-assets: where the printed trainer command looks
+DEFAULTS = dict(seq=3072, anchors=512, block=16, layers=5, min_len=550)      # the issue's benchmark shape
+TINY_DEFAULTS = dict(seq=64, anchors=8, block=4, layers=2, min_len=16)       # --shape tiny: seconds on a CPU
+
+
+# --- models -----------------------------------------------------------------------------------------------------------
+
+def hf_config(shape: str):
+    import transformers
+    fam, n, H, nh, nkv, D, I, V, theta, tied, _ = SHAPES[shape]
+    cls = transformers.Qwen3Config if fam == "qwen3" else transformers.LlamaConfig
+    return cls(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=n, num_attention_heads=nh,
+               num_key_value_heads=nkv, head_dim=D, max_position_embeddings=40960, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": theta}, tie_word_embeddings=tied)
+
+
+@torch.no_grad()
+def _init_random_(module: nn.Module, seed: int) -> None:
+    """Matrices ~ N(0, INIT_STD), norm weights 1, biases 0, generated where the parameters live."""
+    dev = next(module.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in module.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, INIT_STD, generator=gen)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
+def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, compile_layers=False, seed=0):
+    """A model.target.Target around a random HF model built on the meta device and materialised on `device`
+    (an 8B model in seconds on a GPU; no fp32 CPU init, no files)."""
+    from transformers import AutoModelForCausalLM
+    from model.target import Target
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kw)
+    model.to_empty(device=device)
+    _init_random_(model, seed)
+    # to_empty leaves non-persistent buffers (RoPE inv_freq) uninitialised and unties lm_head: rebuild both
+    rebuilt = set()
+    for name, m in list(model.named_modules()):
+        if "inv_freq" in m._buffers:
+            fresh = type(m)(m.config).to(device)          # computed from the config, on the CPU, then moved
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], fresh)
+            rebuilt.add(name)
+    left = [n for n, _ in model.named_buffers() if n.rsplit(".", 1)[0] not in rebuilt]
+    assert not left, f"buffers the random build does not initialise: {left}"
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.eval().requires_grad_(False)
+    # Target.__init__ without from_pretrained: the same attributes, so Target.features runs unchanged
+    t = Target.__new__(Target)
+    t.model = model
+    t.hf_config = model.config.get_text_config()
+    t.num_layers = t.hf_config.num_hidden_layers
+    t.decoder = model.get_decoder()
+    t.layer_ids = list(layer_ids)
+    t.embed_tokens = model.get_input_embeddings()
+    t.lm_head_weight = model.get_output_embeddings().weight
+    t.device, t.dtype = torch.device(device), t.embed_tokens.weight.dtype
+    if compile_layers:
+        # per-layer wrappers: Target.features' hooks sit on the wrappers, outside the compiled code
+        for i in range(len(t.decoder.layers)):
+            t.decoder.layers[i] = torch.compile(t.decoder.layers[i])
+    return t
+
+
+def build_drafter(dcfg, device, seed=0):
+    """model.drafter.Drafter in fp32 (the master weights), initialised on `device` like Drafter._init_weights."""
+    from model.drafter import Drafter
+    with torch.device("meta"):
+        d = Drafter(dcfg)
+    d.to_empty(device=device)
+    _init_random_(d, seed)
+    return d
+
+
+def frozen_io(hf_cfg, device, dtype, seed=1):
+    """The target's embedding and lm_head as train_dflash.load_frozen_io returns them, random."""
+    V, H = hf_cfg.vocab_size, hf_cfg.hidden_size
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.empty(V, H, device=device, dtype=dtype).normal_(0.0, INIT_STD, generator=gen)
+    embed = nn.Embedding.from_pretrained(w, freeze=True)
+    head = w if hf_cfg.tie_word_embeddings else torch.empty_like(w).normal_(0.0, INIT_STD, generator=gen)
+    return embed, head.requires_grad_(False)
+
+
+# --- synthetic micro-batches ------------------------------------------------------------------------------------------
+
+def batch_lengths(args, n: int) -> list[list[int]]:
+    """Sequence lengths of n micro-batches: batch x seq, or (--mixed) lengths uniform in [min_len, seq] cut into
+    micro-batches by the trainer's data.batching.BatchPlan under TOKEN_BUDGET = batch * seq."""
+    if not args.mixed:
+        return [[args.seq] * args.batch for _ in range(n)]
+    from data.batching import BatchPlan
+    gen = torch.Generator().manual_seed(args.seed)
+    budget = args.batch * args.seq
+    per = max(1, budget // args.min_len)
+    lens = torch.randint(args.min_len, args.seq + 1, (n * per + 16,), generator=gen).tolist()
+    batches = BatchPlan(lens, budget, td.MAX_BATCH_SIZE, seed=args.seed).epoch(0)
+    return [[lens[i] for i in b] for b in batches[:n]]
+
+
+def make_batch(lengths, vocab, mask_id, g):
+    """Padded CPU tensors as train_dflash.Data.batch returns them: input_ids, loss_mask, attention_mask [b, S],
+    lengths [b]. Prompt = the first SYNTH_PROMPT_FRAC of each sequence; tokens never the MASK id."""
+    gen = torch.Generator().manual_seed(g)
+    b, S = len(lengths), max(lengths)
+    ids = torch.randint(0, vocab - 1, (b, S), generator=gen)
+    ids[ids == mask_id] = vocab - 1
+    mask = torch.zeros(b, S, dtype=torch.uint8)
+    attn = torch.zeros(b, S, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, int(n * SYNTH_PROMPT_FRAC):n] = 1
+        attn[i, :n] = 1
+    ids = ids * attn
+    return ids, mask, attn, torch.tensor(lengths, dtype=torch.long)
+
+
+# --- timing and FLOPs -------------------------------------------------------------------------------------------------
+
+class Timer:
+    """Wall seconds between start() and stop(); CUDA events on the current stream on a GPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.e0 = torch.cuda.Event(enable_timing=True)
+            self.e0.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+            e1.synchronize()
+            return self.e0.elapsed_time(e1) / 1e3
+        return time.perf_counter() - self.t0
+
+
+def peak_matmul_tflops(device, dtype) -> float:
+    n = PEAK_MATMUL_N if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    timer, iters = Timer(device), 20 if device.type == "cuda" else 3
+    timer.start()
+    for _ in range(iters):
+        a @ b
+    return 2 * n ** 3 * iters / timer.stop() / 1e12
+
+
+def linear_params_per_layer(s) -> int:
+    return s.H * s.qd + 2 * s.H * s.kvd + s.qd * s.H + 3 * s.H * s.I
+
+
+def target_flops(s, n_run_layers, lengths) -> float:
+    """Forward FLOPs of the feature forward on the real tokens: matmuls of layers 0..last tap + causal attention."""
+    T = sum(lengths)
+    causal_pairs = sum(n * (n + 1) / 2 for n in lengths)
+    return n_run_layers * (2 * linear_params_per_layer(s) * T + 4 * s.nh * s.D * causal_pairs)
+
+
+def visible_pairs(positions, anchors, B) -> int:
+    """(query, key) pairs one full-attention drafter layer computes: block token of anchor a sees the a_pos context
+    tokens of its document before the anchor and the B tokens of its block."""
+    return int(B * (positions[anchors] + B).sum())
+
+
+def drafter_flops(s, L, K, T, M, R, pairs) -> dict:
+    """Training FLOPs of one drafter step. Weights on block tokens: 6/param/token. fc on the context: forward +
+    weight grad only (features need no grad) = 4. k/v projections on the context: 6. Attention: 4 per visible pair
+    per head_dim per head forward, twice that backward. lm_head is frozen: forward + grad to the hidden = 4."""
+    out = {"layers on block tokens": 6 * L * linear_params_per_layer(s) * M,
+           "fc + k/v on context": 4 * K * s.H * s.H * T + 6 * L * 2 * s.H * s.kvd * T,
+           "attention": 12 * s.nh * s.D * pairs * L,
+           "lm_head + CE": 4 * R * s.H * s.V}
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- (a) target capacity ----------------------------------------------------------------------------------------------
+
+def bench_target(args, c) -> dict:
+    t0 = time.time()
+    target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, args.target_attn, args.compile, args.seed)
+    build_s = time.time() - t0
+    warmup = max(args.warmup, 2) if args.compile else args.warmup
+    lens = batch_lengths(args, warmup + args.steps)
+    batches = [make_batch(l, c.sizes.V, c.mask_id, g) for g, l in enumerate(lens)]
+    if c.device.type == "cuda":
+        batches = [(ids.pin_memory(), m, attn.pin_memory(), n) for ids, m, attn, n in batches]
+    inflight = deque(maxlen=td.SEND_DEPTH + 1)      # feature tensors pipe.Sender may still hold
+
+    def forward(b):
+        ids, _mask, attn, _n = b
+        inflight.append(td.target_features(target, ids, attn, c.device))          # [T, K*H]
+    for b in batches[:warmup]:
+        forward(b)
+    c.reset_peak()
+    timer = Timer(c.device)
+    timer.start()
+    for b in batches[warmup:]:
+        forward(b)
+    dt = timer.stop()
+    timed = lens[warmup:]
+    real, padded = sum(map(sum, timed)), sum(len(l) * max(l) for l in timed)
+    flops = sum(target_flops(c.sizes, max(c.dcfg.target_layer_ids) + 1, l) for l in timed)
+    out = {"build_s": build_s, "attn_implementation": target.model.config._attn_implementation,
+           "compiled": bool(args.compile), "micro_batches": len(timed), "seconds": dt,
+           "tok_s": real / dt, "padded_tok_s": padded / dt, "ms_per_micro_batch": 1e3 * dt / len(timed),
+           "tflops": flops / dt / 1e12, "peak_mem_bytes": c.peak_mem()}
+    out.update(c.mfu(out["tflops"]))
+    del target, inflight, batches
+    if args.compile:
+        torch._dynamo.reset()          # compiled layers keep the model alive; the drafter mode needs the memory
+    c.free()
+    return out
+
+
+# --- (b) drafter capacity ---------------------------------------------------------------------------------------------
+
+class Feeder(threading.Thread):
+    """pipe.Receiver without the network: draws each micro-batch's features on the device and runs the trainer's
+    prepare (anchors, blocks, masks) on a side stream into a queue of Q_HS, as a drafter rank's receiver does."""
+
+    def __init__(self, make_packet, prepare, device, depth):
+        super().__init__(daemon=True, name="feeder")
+        self.make_packet, self.prepare, self.device = make_packet, prepare, device
+        self.q = queue.Queue(maxsize=depth)
+        self.halt = threading.Event()
+        self.error = None
+        self.prepare_s = []      # CPU seconds per prepare() call
+
+    def run(self):
+        try:
+            cuda = self.device.type == "cuda"
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            g = 0
+            while not self.halt.is_set():
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    p = self.make_packet(g)
+                    t = time.perf_counter()
+                    item = self.prepare(p)
+                    self.prepare_s.append(time.perf_counter() - t)
+                    done = None
+                    if cuda:
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                item.loss_mask = p.loss_mask
+                while not self.halt.is_set():
+                    try:
+                        self.q.put((item, done), timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                g += 1
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by get()
+            self.error = (e, traceback.format_exc())
+
+    def get(self):
+        while True:
+            if self.error:
+                raise RuntimeError(f"feeder thread failed:\n{self.error[1]}") from self.error[0]
+            try:
+                item, done = self.q.get(timeout=0.1)
+                break
+            except queue.Empty:
+                pass
+        if done is not None:   # as pipe.Receiver.get: order the side stream's writes before this stream's use
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(done)
+            for t in item.device_tensors():
+                t.record_stream(cur)
+        return item
+
+    def stop(self):
+        self.halt.set()
+        self.join(timeout=30)
+
+
+class DrafterRig:
+    """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
+
+    def __init__(self, c, seed=0):
+        from torch.nn.utils import clip_grad_norm_
+        self.c, self.clip = c, clip_grad_norm_
+        self.drafter = build_drafter(c.dcfg, c.device, seed)
+        self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
+        params = list(self.drafter.parameters())
+        self.params = params
+        self.opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": td.WEIGHT_DECAY},
+                                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                     lr=td.LR, betas=(0.9, 0.95), eps=1e-8, fused=c.device.type == "cuda")
+        self.autocast = torch.autocast("cuda", dtype=c.dtype) if c.device.type == "cuda" and \
+            c.dtype != torch.float32 else torch.autocast("cpu", enabled=False)
+        self.sums = torch.zeros(6, device=c.device, dtype=torch.float64)
+        self.step_w = torch.zeros(1, device=c.device, dtype=torch.float64)
+
+    def step(self, item, probe=lambda phase: None, saved_hooks=contextlib.nullcontext()):
+        """train_dflash.train's inner loop for one drafter rank, GRAD_ACCUM=1, no noise."""
+        from model.objective import block_metrics, weighted_ce
+        B = self.c.dcfg.block_size
+        with self.autocast:
+            with saved_hooks:
+                hidden = self.drafter(item.features, item.ctx_pos, self.embed(item.block_ids), item.block_pos,
+                                      item.attn)                                                      # [N*B, H]
+                probe("forward")
+                parts = weighted_ce(hidden, self.head_w, item.labels, item.weights, td.CE_CHUNK, rows=item.rows)
+                probe("CE")
+            parts.loss_sum.backward()
+        probe("backward")
+        bm = block_metrics(parts.correct.view(-1, B), item.weights.view(-1, B))
+        self.step_w += parts.weight_sum.double()
+        self.sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(),
+                                  bm["acc_num"].double(), bm["acc_den"].double(), bm["streak_num"].double(),
+                                  bm["streak_den"].double()])
+        scale = (1.0 / self.step_w.clamp(min=1e-12)).float()
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        self.clip(self.params, td.GRAD_CLIP)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_w.zero_()
+        probe("optimizer")
+
+
+class SavedBytes:
+    """saved_tensors_hooks that add up what autograd keeps for backward, per storage, split into bf16 copies of
+    weights and activations; parameters, the frozen tensors and the received features are not counted."""
+
+    def __init__(self, rig, item):
+        self.skip = {t.untyped_storage().data_ptr() for t in
+                     [*rig.params, rig.embed.weight, rig.head_w, item.features]}
+        self.wshapes = {tuple(p.shape) for p in rig.params if p.dim() == 2}
+        self.wshapes |= {s[::-1] for s in self.wshapes}
+        self.seen = {}
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self.skip and ptr not in self.seen:
+            copy = t.dtype != torch.float32 and tuple(t.shape) in self.wshapes
+            self.seen[ptr] = ("weight copies" if copy else "activations", st.nbytes())
+        return t
+
+    def totals(self):
+        out = {"weight copies": 0, "activations": 0}
+        for kind, n in self.seen.values():
+            out[kind] += n
+        return out
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def bench_drafter(args, c) -> dict:
+    from model.attention import warmup_flex_attention
+    from model.objective import pack, sample_anchors
+    from pipe import Packet
+    t0 = time.time()
+    rig = DrafterRig(c, args.seed)
+    build_s = time.time() - t0
+    compile_s = 0.0
+    if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
+        t0 = time.time()
+        warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
+                              c.dcfg.head_dim, c.dcfg.block_size)
+        compile_s = time.time() - t0
+    lens = batch_lengths(args, 64)
+    K, H = c.dcfg.num_taps, c.sizes.H
+
+    def make_packet(g):
+        ids, mask, attn, n = make_batch(lens[g % len(lens)], c.sizes.V, c.mask_id, g)
+        keep = attn.bool()
+        feats = torch.randn(int(n.sum()), K * H, device=c.device, dtype=c.dtype)            # [T, K*H]
+        return Packet(g, n, ids[keep], mask[keep], feats)
+    feeder = Feeder(make_packet, td.make_prepare(c.dcfg, c.device, c.flex), c.device, td.Q_HS)
+    feeder.start()
+    try:
+        t0 = time.time()
+        for _ in range(args.warmup):
+            rig.step(feeder.get())
+        warmup_s = time.time() - t0
+        c.reset_peak()
+        timer, waited, items = Timer(c.device), 0.0, []
+        timer.start()
+        for _ in range(args.steps):
+            w = time.perf_counter()
+            item = feeder.get()
+            waited += time.perf_counter() - w
+            rig.step(item)
+            items.append((item.g, item.lengths, item.loss_mask, item.tokens, item.num_blocks, item.rows.numel()))
+            del item
+        dt = timer.stop()
+        peak = c.peak_mem()
+        phases, saved = instrumented_step(rig, feeder, c)
+    finally:
+        feeder.stop()
+    B, L = c.dcfg.block_size, c.dcfg.num_hidden_layers
+    flops, samples, tokens = {}, 0, 0
+    for g, n, loss_mask, T, N, R in items:
+        doc_ids, positions = pack(n)
+        anchors = sample_anchors(loss_mask, doc_ids, td.MAX_ANCHORS, torch.Generator().manual_seed(td.micro_seed(g)),
+                                 td.MIN_ANCHORS_PER_DOC)
+        assert len(anchors) == N, "anchor draw differs from make_prepare's"
+        f = drafter_flops(c.sizes, L, K, T, N * B, R, visible_pairs(positions, anchors, B))
+        flops = {k: flops.get(k, 0) + v for k, v in f.items()}
+        samples += len(n)
+        tokens += T
+    steps = len(items)
+    out = {"build_s": build_s, "flex_compile_s": compile_s, "warmup_s": warmup_s, "steps": steps, "seconds": dt,
+           "ms_per_step": 1e3 * dt / steps, "samples_s": samples / dt, "tok_s": tokens / dt,
+           "anchors_per_step": sum(i[4] for i in items) / steps,
+           "supervised_rows_per_step": sum(i[5] for i in items) / steps,
+           "tflops": flops["total"] / dt / 1e12, "tflop_per_step": {k: v / steps / 1e12 for k, v in flops.items()},
+           "prepare_ms": 1e3 * sum(feeder.prepare_s) / max(1, len(feeder.prepare_s)),
+           "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved}
+    out.update(c.mfu(out["tflops"]))
+    del rig, feeder
+    c.free()
+    return out
+
+
+def instrumented_step(rig, feeder, c):
+    """One more step with the queue full. GPU: memory allocated at each phase boundary and the peak inside each
+    phase. CPU: what autograd saves (saved_tensors_hooks; not on the GPU, where active hooks would recompile the
+    compiled flex_attention)."""
+    item = feeder.get()
+    end = time.time() + 30
+    while not feeder.q.full() and time.time() < end:     # steady state: Q_HS waiting + one prepared + this one
+        time.sleep(0.05)
+    time.sleep(0.2)
+    cuda = c.device.type == "cuda"
+    saved = SavedBytes(rig, item)
+    phases = {}
+
+    def probe(name):
+        torch.cuda.synchronize()
+        phases[name] = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+        torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        probe("before step")
+        rig.step(item, probe)
+    else:
+        rig.step(item, saved_hooks=saved.hooks())
+    return phases, (None if cuda else saved.totals())
+
+
+# --- (c, e) pipeline --------------------------------------------------------------------------------------------------
+
+class _Watch:
+    """The part of pipe.Watchdog that Sender and Receiver use."""
+    state = recv_state = ""
+
+    def progress(self):
+        pass
+
+    def fail(self, reason, detail=""):
+        print(detail, file=sys.stderr, flush=True)
+        print(f"ABORT: {reason}", flush=True)
+        os._exit(1)
+
+
+class _Arrived:
+    """Transport-only prepare(): the packet as it arrived."""
+
+    def __init__(self, p):
+        self.p, self.features, self.tokens, self.g = p, p.features, p.num_tokens, p.g
+
+    def device_tensors(self):
+        return [self.features]
+
+
+def pipeline_commands(args) -> list[str]:
+    shape = f"--shape {args.shape} --seq {args.seq} --batch {args.batch} --anchors {args.anchors} " \
+            f"--block {args.block} --layers {args.layers}" + (" --mixed" if args.mixed else "")
+    env = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+    tr = f"{env}torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash --mode pipeline {shape} --steps 20"
+    assets = ASSETS_DIR
+    return [f"{tr} --json pipeline_transport.json",
+            f"{tr} --pipe-compute --json pipeline_compute.json",
+            f"python -m bench.bench_dflash --write-assets {assets} {shape} && {env}torchrun --standalone "
+            f"--nproc-per-node 2 train_dflash.py --TARGET={assets}/target --DATA={assets}/data "
+            f"--MASK_TOKEN_ID={SHAPES[args.shape][-1]} --TARGET_RANKS=1 --NUM_DRAFT_LAYERS={args.layers} "
+            f"--BLOCK_SIZE={args.block} --MAX_ANCHORS={args.anchors} --TOKEN_BUDGET={args.batch * args.seq} "
+            f"--MAX_STEPS=60 --LOG_EVERY=10 --SAVE_EVERY=1000000 --KEEP_LAST=1 "
+            f"--OUT_DIR=runs/bench_pipeline --RESUME=scratch"]
+
+
+def bench_pipeline(args, c) -> dict:
+    """World size 1: the commands. Under torchrun with 2 ranks: rank 0 produces (the target forward with
+    --pipe-compute, else a ready feature tensor) through pipe.Sender, rank 1 consumes through pipe.Receiver (the
+    drafter step with --pipe-compute)."""
+    import torch.distributed as dist
+    from pipe import Packet, Receiver, Sender
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return {"commands": pipeline_commands(args)}
+    if world != 2:
+        sys.exit(f"error: --mode pipeline runs on exactly 2 ranks (torchrun --nproc-per-node 2), got {world}")
+    cuda = c.device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=c.device if cuda else None)
+    rank, data, ctrl = dist.get_rank(), dist.group.WORLD, dist.new_group(backend="gloo")
+    n = args.warmup + args.steps
+    lens = batch_lengths(args, n)
+    K, H = c.dcfg.num_taps, c.sizes.H
+    out = {"compute": bool(args.pipe_compute), "micro_batches": args.steps}
+    watch = _Watch()
+    if rank == 0:
+        target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, args.target_attn, args.compile,
+                              args.seed) if args.pipe_compute else None
+        ready = None if target else torch.randn(args.batch * args.seq, K * H, device=c.device, dtype=c.dtype)
+        sender = Sender(ctrl, data, td.SEND_DEPTH, watch)
+        sender.start()
+        dist.barrier(group=ctrl)                       # both sides built (compiles done) before the clock starts
+        c.reset_peak()
+        t0 = None
+        for g in range(n):
+            if g == args.warmup:
+                t0 = time.perf_counter()
+            ids, mask, attn, ln = make_batch(lens[g], c.sizes.V, c.mask_id, g)
+            keep = attn.bool()
+            if cuda:                                   # train_dflash.produce pins its batches
+                ids, attn = ids.pin_memory(), attn.pin_memory()
+            feats = td.target_features(target, ids, attn, c.device) if target else ready[:int(ln.sum())]
+            sender.put(1, Packet(g, ln, ids[keep], mask[keep], feats))
+        while sender.sent < n:
+            time.sleep(0.001)
+        out["producer_mb_s"] = args.steps / (time.perf_counter() - t0)
+        out["target_peak_mem_bytes"] = c.peak_mem()
+    else:
+        rig = DrafterRig(c, args.seed) if args.pipe_compute else None
+        if rig and c.flex:
+            from model.attention import warmup_flex_attention
+            warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
+                                  c.dcfg.head_dim, c.dcfg.block_size)
+        prepare = td.make_prepare(c.dcfg, c.device, c.flex) if rig else _Arrived
+        receiver = Receiver(((g, 0) for g in range(n)), ctrl, data, c.device, td.Q_HS, watch, prepare)
+        dist.barrier(group=ctrl)
+        receiver.start()
+        nbytes = tokens = samples = 0
+        timer = Timer(c.device)
+        for g in range(n):
+            if g == args.warmup:
+                c.reset_peak()
+                timer.start()
+            item = receiver.get()
+            if rig:
+                rig.step(item)
+            if g >= args.warmup:
+                nbytes += item.features.numel() * item.features.element_size()
+                tokens += item.tokens
+                samples += len(lens[g])
+        dt = timer.stop()
+        out.update(seconds=dt, mb_s=args.steps / dt, feature_gb_s=nbytes / dt / 1e9, tok_s=tokens / dt,
+                   samples_s=samples / dt, feature_mb_per_micro_batch=nbytes / args.steps / 1e6,
+                   drafter_peak_mem_bytes=c.peak_mem())
+    parts = [None, None]
+    dist.all_gather_object(parts, out, group=ctrl)
+    dist.barrier(group=ctrl)
+    dist.destroy_process_group()
+    merged = {**parts[1], "producer_mb_s": parts[0]["producer_mb_s"],
+              "target_peak_mem_bytes": parts[0]["target_peak_mem_bytes"], "rank": rank}
+    return merged
+
+
+# --- assets for running train_dflash.py itself at a bench shape ---------------------------------------------------
+
+def write_assets(args, c, out: Path, rows: int = 512) -> dict:
+    """The one thing that writes files (--write-assets DIR): a random target of the shape as an HF folder (config +
+    safetensors, no tokenizer: pass MASK_TOKEN_ID) and a synthetic prepared dataset of `rows` sequences in the
+    Arrow layout train_dflash.read_arrow_dataset reads (lengths: seq, or uniform in [min_len, seq] with --mixed), so
+    the trainer's pipeline can be measured at the bench shape without weights or data."""
+    import pyarrow as pa
+    out.mkdir(parents=True, exist_ok=True)
+    target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, seed=args.seed)
+    target.model.save_pretrained(out / "target", max_shard_size="5GB")
+    del target
+    c.free()
+    gen = torch.Generator().manual_seed(args.seed)
+    lens = [args.seq] * rows if not args.mixed else \
+        torch.randint(args.min_len, args.seq + 1, (rows,), generator=gen).tolist()
+    ids, masks = [], []
+    for i, n in enumerate(lens):
+        b_ids, b_mask, _, _ = make_batch([n], c.sizes.V, c.mask_id, args.seed * 1_000_003 + i)
+        ids.append(b_ids[0].to(torch.int32).tolist())
+        masks.append(b_mask[0].tolist())
+    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+                      "loss_mask": pa.array(masks, type=pa.list_(pa.uint8()))})
+    data = out / "data"
+    data.mkdir(exist_ok=True)
+    with pa.OSFile(str(data / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (data / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return {"target": str(out / "target"), "data": str(data), "rows": rows, "tokens": sum(lens),
+            "mask_token_id": c.mask_id}
+
+
+# --- report -----------------------------------------------------------------------------------------------------------
+
+def _k(x):
+    return planner._k(x)
+
+
+def _gib(b):
+    return "n/a" if b is None else planner.fmt_gib(b)
+
+
+def report(res, c) -> str:
+    a = res["args"]
+    lines = [f"## DFlash bench: {a['shape']}, {a['batch']} x {a['seq']} tokens "
+             f"({'mixed ' + str(a['min_len']) + '..' + str(a['seq']) if a['mixed'] else 'fixed'}), drafter "
+             f"L={a['layers']} B={a['block']} anchors={a['anchors']} taps={c.dcfg.target_layer_ids}",
+             f"{res['env']['device']}, torch {res['env']['torch']}, transformers {res['env']['transformers']}, "
+             f"{str(c.dtype).removeprefix('torch.')}, drafter attention {'flex' if c.flex else 'sdpa'}"
+             + (f"; matmul peak {res['peak_tflops']:.4g} TFLOP/s measured ({DATASHEET_TFLOPS:g} datasheet)"
+                if res.get("peak_tflops") else ""), "",
+             "| role | metric | value |", "|---|---|---|"]
+
+    def row(role, metric, value):
+        lines.append(f"| {role} | {metric} | {value} |")
+    est = res["plan"]["roles"]
+    t = res.get("target")
+    if t and "error" not in t:
+        row("target", "tokens/s (real / padded)", f"{_k(t['tok_s'])} / {_k(t['padded_tok_s'])}")
+        row("target", "ms per micro-batch", f"{t['ms_per_micro_batch']:.1f}")
+        row("target", "TFLOP/s; MFU vs measured / datasheet peak",
+            f"{t['tflops']:.4g}; {t['mfu_measured']:.1%} / {t['mfu_datasheet']:.1%}")
+        row("target", "peak GiB measured / estimate (estimate/measured)", _vs(t["peak_mem_bytes"], est["target"]))
+        row("target", "attention, compiled layers, build s", f"{t['attn_implementation']}, {t['compiled']}, "
+                                                             f"{t['build_s']:.1f}")
+    d = res.get("drafter")
+    if d and "error" not in d:
+        row("drafter", "samples/s; context tokens/s", f"{d['samples_s']:.2f}; {_k(d['tok_s'])}")
+        row("drafter", "ms per step (anchors, supervised rows)",
+            f"{d['ms_per_step']:.1f} ({d['anchors_per_step']:.0f}, {d['supervised_rows_per_step']:.0f})")
+        row("drafter", "TFLOP/s; MFU vs measured / datasheet peak",
+            f"{d['tflops']:.4g}; {d['mfu_measured']:.1%} / {d['mfu_datasheet']:.1%}")
+        row("drafter", "TFLOP per step: " + " / ".join(k for k in d["tflop_per_step"] if k != "total"),
+            " / ".join(f"{v:.4g}" for k, v in d["tflop_per_step"].items() if k != "total")
+            + f" (total {d['tflop_per_step']['total']:.4g})")
+        row("drafter", "prepare ms (CPU, feeder thread); main thread queue wait ms per step",
+            f"{d['prepare_ms']:.1f}; {d['queue_wait_ms']:.1f}")
+        row("drafter", "peak GiB measured / estimate (estimate/measured)", _vs(d["peak_mem_bytes"], est["drafter"]))
+        if d["saved_bytes"]:
+            row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
+                f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est['drafter']))}, "
+                f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est['drafter'], 'bf16 copies'))}")
+        row("drafter", "flex compile s, build s, warmup s", f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, "
+                                                            f"{d['warmup_s']:.1f}")
+    p = res.get("pipeline")
+    if p and "error" not in p and "commands" not in p:
+        row("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})")
+        row("pipeline", "features GB/s, MB per micro-batch", f"{p['feature_gb_s']:.1f}, "
+                                                             f"{p['feature_mb_per_micro_batch']:.0f}")
+        row("pipeline", "samples/s; tokens/s" + (" (target fwd + drafter step)" if p["compute"] else
+                                                 " (transport only)"), f"{p['samples_s']:.2f}; {_k(p['tok_s'])}")
+    if t and d and "error" not in t and "error" not in d:
+        per_sample = d["tok_s"] / d["samples_s"]
+        for n in (2, 4, 8):
+            nt, nd = planner.recommend_split(t["tok_s"], d["tok_s"], n)
+            rate = planner.split_rate(nt, nd, t["tok_s"], d["tok_s"])
+            row("split", f"{n} GPUs: planner.recommend_split from these rates",
+                f"{nt} target : {nd} drafter => {_k(rate)} tok/s, {_k(rate / n)} tok/s = "
+                f"{rate / n / per_sample:.2f} samples/s per GPU")
+    for role in ("target", "drafter", "pipeline"):
+        if res.get(role, {}).get("error"):
+            row(role, "ERROR", res[role]["error"])
+    if d and "error" not in d and d["phases"]:
+        e = est["drafter"]
+        fwd = {t["short"]: t["bytes"] for t in e["terms"] if t["phases"] != "static" and "forward" in t["phases"]}
+        grads = _est_term(e, "grads")
+        guess = {"before step": (e["static"], "allocated: static terms"),
+                 "forward": (e["static"] + sum(v for k, v in fwd.items() if not k.startswith("CE")),
+                             "allocated: static + bf16 copies + activations"),
+                 "CE": (e["static"] + e["phases"]["forward"], "peak: static + forward phase (the role's peak)"),
+                 "backward": (e["static"] + grads, "allocated: static + gradients (autocast copies freed)")}
+        lines += ["", "drafter memory through one step (GiB), measured against the planner's terms:",
+                  "| phase | allocated at its end | peak inside | estimate | compare with |",
+                  "|---|---:|---:|---:|---|"]
+        for name, ph in d["phases"].items():
+            g, what = guess.get(name, (None, ""))
+            lines.append(f"| {name} | {_gib(ph['allocated'])} | {_gib(ph['peak'])} | "
+                         f"{_gib(g) if g is not None else ''} | {what} |")
+    measured = {r: res[r]["peak_mem_bytes"] for r in ("target", "drafter")
+                if res.get(r) and "error" not in res[r] and res[r].get("peak_mem_bytes")}
+    if p and p.get("compute") and "error" not in p:     # the pipeline's ranks ran the real roles
+        for r in ("target", "drafter"):
+            measured.setdefault(r, p.get(f"{r}_peak_mem_bytes"))
+    lines += ["", "memory estimate, term by term (planner.py; calibrate its constants against the measured "
+                  "rows):", planner.format_terms(res["plan_full"], measured)]
+    gpu_mem = res["env"]["gpu_mem_bytes"]
+    if gpu_mem:
+        errs = planner.check_fits(res["plan_full"], gpu_mem)
+        lines.append("planner.check_fits on this GPU: " + ("fits" if not errs else "; ".join(errs)))
+    if res.get("commands"):
+        lines += ["", "(c) pipeline commands: the bench's synthetic pipeline (transport only, then target forward + "
+                      "drafter step), and train_dflash.py itself on a random target and synthetic data of this shape:"]
+        lines += [f"    {x}" for x in res["commands"]]
+    return "\n".join(lines)
+
+
+def _est_term(role, short):
+    return sum(t["bytes"] for t in role["terms"] if t["short"] == short)
+
+
+def _est_acts(role):
+    return sum(_est_term(role, s) for s in ("block acts", "kv acts", "ctx+out acts", "CE rows"))
+
+
+def _vs(measured, role_est):
+    if not measured:
+        return f"n/a / {_gib(role_est['total'])}"
+    return f"{_gib(measured)} / {_gib(role_est['total'])} ({role_est['total'] / measured:.3f})"
+
+
+# --- main -------------------------------------------------------------------------------------------------------------
+
+class Context:
+    """Device, dtype, shapes and the trainer's settings for this run."""
+
+    def __init__(self, args):
+        from model.drafter import DrafterConfig
+        cuda = torch.cuda.is_available() and not args.cpu
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if cuda:
+            torch.cuda.set_device(local)
+        self.device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        self.dtype = torch.bfloat16 if cuda else torch.float32       # train_dflash's DTYPE=auto
+        self.flex = cuda                                              # train_dflash's ATTN=auto
+        # the trainer's constants that shape a micro-batch, as train_dflash.parse_overrides would set them
+        td.MAX_ANCHORS, td.BLOCK_SIZE, td.NUM_DRAFT_LAYERS = args.anchors, args.block, args.layers
+        td.TOKEN_BUDGET = args.batch * args.seq
+        for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH"):
+            if getattr(args, name.lower()) is not None:
+                setattr(td, name, getattr(args, name.lower()))
+        self.hf = hf_config(args.shape)
+        self.mask_id = SHAPES[args.shape][-1]
+        self.sizes = planner.model_sizes(self.hf)
+        self.dcfg = DrafterConfig.from_target(self.hf, td.NUM_DRAFT_LAYERS, td.BLOCK_SIZE, self.mask_id,
+                                              num_taps=td.NUM_TAPS or None)
+        self.cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
+        self.cfg.update(TARGET_RANKS=1, MAX_LEN=args.seq, DTYPE="bfloat16" if cuda else "float32",
+                        ATTN="flex" if self.flex else "sdpa")
+        self.peak_tflops = None
+
+    def reset_peak(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_mem(self):
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    def free(self):
+        import gc
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def mfu(self, tflops):
+        return {"mfu_measured": tflops / self.peak_tflops if self.peak_tflops else float("nan"),
+                "mfu_datasheet": tflops / DATASHEET_TFLOPS}
+
+
+def environment(c) -> dict:
+    import transformers
+    dev = torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"
+    mem = torch.cuda.get_device_properties(c.device).total_memory if c.device.type == "cuda" else None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return {"device": dev, "gpu_mem_bytes": mem, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "git": rev, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "argv": " ".join(sys.argv)}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["target", "drafter", "pipeline", "all"], default="all")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (--mixed: the longest) [3072; tiny 64]")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch; TOKEN_BUDGET = batch * seq [4]")
+    ap.add_argument("--anchors", type=int, help="MAX_ANCHORS [512; tiny 8]")
+    ap.add_argument("--block", type=int, help="BLOCK_SIZE [16; tiny 4]")
+    ap.add_argument("--layers", type=int, help="NUM_DRAFT_LAYERS [5; tiny 2]")
+    ap.add_argument("--mixed", action="store_true", help="lengths uniform in [--min-len, --seq], packed by BatchPlan")
+    ap.add_argument("--min-len", type=int, help="shortest sequence with --mixed [550; tiny 16]")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (micro-batches)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer")
+    ap.add_argument("--target-attn", default=None, help="HF attn_implementation of the target (default: HF's pick, "
+                                                        "as Target.from_pretrained gets it)")
+    ap.add_argument("--pipe-compute", action="store_true", help="pipeline: real target forward and drafter step")
+    ap.add_argument("--ce-chunk", type=int, default=None, help="CE_CHUNK (default: train_dflash's)")
+    ap.add_argument("--q-hs", type=int, default=None, help="Q_HS (default: train_dflash's)")
+    ap.add_argument("--send-depth", type=int, default=None, help="SEND_DEPTH (default: train_dflash's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
+    ap.add_argument("--json", default=None, help="write every number to this file")
+    ap.add_argument("--write-assets", default=None, metavar="DIR",
+                    help="only write DIR/target (random HF folder of --shape) and DIR/data (synthetic prepared "
+                         "dataset) for running train_dflash.py itself, then exit")
+    args = ap.parse_args(argv)
+    for k, v in (TINY_DEFAULTS if args.shape == "tiny" else DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.mixed and not 2 <= args.min_len <= args.seq:
+        ap.error(f"--min-len {args.min_len} must be in 2..--seq {args.seq}")
+    return args
+
+
+def main(argv=None) -> dict:
+    saved = {k: getattr(td, k) for k in td.CONFIG_KEYS}    # Context sets the trainer's constants: put them back
+    try:
+        return run(parse_args(sys.argv[1:] if argv is None else argv))
+    finally:
+        for k, v in saved.items():
+            setattr(td, k, v)
+
+
+def run(args) -> dict:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")   # as launch.sh runs the trainer
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and args.mode != "pipeline":
+        sys.exit(f"error: under torchrun (WORLD_SIZE={world}) only --mode pipeline runs; the other modes measure "
+                 f"one GPU: run them with python -m bench.bench_dflash")
+    torch.manual_seed(args.seed)
+    if world > 1 and (not torch.cuda.is_available() or args.cpu):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))     # the two CPU ranks share the cores
+    c = Context(args)
+    if args.write_assets:
+        t0 = time.time()
+        info = write_assets(args, c, Path(args.write_assets))
+        print(f"wrote {info['target']} and {info['data']} ({info['rows']} rows, {info['tokens']:,} tokens) in "
+              f"{time.time() - t0:.0f}s; train with --MASK_TOKEN_ID={info['mask_token_id']} (no tokenizer)")
+        return info
+    env = environment(c)
+    gpu_mem = env["gpu_mem_bytes"]
+    plan = planner.estimate(c.cfg, c.hf, world_gpus=2, gpu_mem_bytes=gpu_mem)
+    res = {"args": vars(args), "env": env, "settings": {k: c.cfg[k] for k in
+           ("TOKEN_BUDGET", "MAX_ANCHORS", "BLOCK_SIZE", "NUM_DRAFT_LAYERS", "CE_CHUNK", "Q_HS", "SEND_DEPTH",
+            "GAMMA", "MAX_BATCH_SIZE")}, "target_layer_ids": c.dcfg.target_layer_ids,
+           "plan_full": plan, "plan": {k: v for k, v in plan.items() if not k.startswith("_")}}
+    modes = ["target", "drafter", "pipeline"] if args.mode == "all" else [args.mode]
+    if "target" in modes or "drafter" in modes:
+        c.peak_tflops = res["peak_tflops"] = peak_matmul_tflops(c.device, c.dtype)
+    failed = False
+    for mode in modes:
+        fn = {"target": bench_target, "drafter": bench_drafter, "pipeline": bench_pipeline}[mode]
+        try:
+            out = fn(args, c)
+        except Exception as e:  # noqa: BLE001 - one mode's failure must not lose the others' numbers
+            if args.mode != "all":
+                raise
+            traceback.print_exc()
+            out, failed = {"error": f"{type(e).__name__}: {e}"}, True
+        c.free()                                            # after the except: its traceback held the tensors
+        if mode == "pipeline" and "commands" in out:
+            res["commands"] = out["commands"]
+        else:
+            res[mode] = out
+    if res.get("pipeline", {}).get("rank", 1) == 0:
+        return res                                          # the consumer rank reports
+    print(report(res, c), flush=True)
+    if args.json:
+        res.pop("plan_full")
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        print(f"wrote {args.json}")
+    if failed:
+        sys.exit(1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The GPU benchmark's CPU path end to end, and the memory planner: parameter counts against real models, activation
+terms against what autograd saves, scaling, the split, and the refusal that names the knob."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_dflash as td
+from bench import bench_dflash as bd
+import planner
+from runs import REPO, env, free_port
+
+GiB = 2 ** 30
+
+
+def trainer_cfg(**kw):
+    """train_dflash's constants as the trainer would pass them, plus overrides."""
+    cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
+    cfg.update(kw)
+    return cfg
+
+
+def bench_cfg(**kw):
+    """The issue's benchmark shape: 4 x 3072 tokens, 512 anchors, B=16, L=5, 1 target rank, bf16 + flex."""
+    return trainer_cfg(**{**dict(TOKEN_BUDGET=4 * 3072, MAX_ANCHORS=512, BLOCK_SIZE=16, NUM_DRAFT_LAYERS=5,
+                                 TARGET_RANKS=1, DTYPE="bfloat16", ATTN="flex"), **kw})
+
+
+# --- the benchmark on CPU ---------------------------------------------------------------------------------------------
+
+def test_bench_tiny_runs_end_to_end_without_datasets(tmp_path):
+    """CLI, every mode of one process (target, drafter, the printed pipeline commands), mixed lengths, JSON; the
+    H200 image has no `datasets`, so the bench must never import it."""
+    out = tmp_path / "bench.json"
+    code = ("import sys; from bench import bench_dflash as b; "
+            f"b.main(['--shape', 'tiny', '--mode', 'all', '--mixed', '--steps', '2', '--warmup', '1', '--cpu', "
+            f"'--json', {str(out)!r}]); assert 'datasets' not in sys.modules, 'bench imported datasets'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(r.stdout)
+    for line in ("| target | tokens/s (real / padded) |", "| drafter | samples/s; context tokens/s |",
+                 "| drafter | **peak estimate**", "torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash"):
+        assert line in r.stdout, line
+    res = json.loads(out.read_text())
+    t, d = res["target"], res["drafter"]
+    assert t["tok_s"] > 0 and t["padded_tok_s"] >= t["tok_s"] and t["tflops"] > 0
+    assert d["samples_s"] > 0 and d["ms_per_step"] > 0 and d["anchors_per_step"] <= 8
+    assert all(v > 0 for v in d["tflop_per_step"].values())
+    assert d["saved_bytes"]["activations"] > 0
+    assert len(res["commands"]) == 3 and "--pipe-compute" in res["commands"][1]
+    assert res["plan"]["roles"]["drafter"]["total"] > 0
+
+
+def test_bench_fixed_shapes_in_process(capsys):
+    res = bd.main(["--shape", "tiny", "--mode", "drafter", "--steps", "2", "--warmup", "1", "--cpu"])
+    d = res["drafter"]
+    assert d["anchors_per_step"] == 8                                                   # MAX_ANCHORS binds
+    assert 6 * 3 <= d["supervised_rows_per_step"] <= 8 * 3        # B-1 slots each, fewer at a sequence's end
+    assert d["tok_s"] == pytest.approx(d["samples_s"] * 64)                          # 4 x 64 tokens
+    assert "| drafter | ms per step" in capsys.readouterr().out
+    assert td.MAX_ANCHORS == 512 and td.TOKEN_BUDGET == 16384, "the bench puts the trainer's constants back"
+
+
+def test_pipeline_two_ranks_on_cpu(tmp_path):
+    """torchrun 2 ranks over gloo: rank 0 runs the target forward into pipe.Sender, rank 1 the drafter step from
+    pipe.Receiver; rank 1 reports."""
+    out = tmp_path / "pipe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "bench.bench_dflash", "--mode", "pipeline", "--shape", "tiny", "--steps", "3", "--warmup", "1",
+           "--pipe-compute", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    p = json.loads(out.read_text())["pipeline"]
+    assert p["compute"] and p["mb_s"] > 0 and p["producer_mb_s"] > 0 and p["feature_gb_s"] > 0
+    assert p["feature_mb_per_micro_batch"] == pytest.approx(4 * 64 * 2 * 64 * 4 / 1e6)   # T x K*H fp32
+    assert "| pipeline | micro-batches/s consumer (producer) |" in r.stdout
+
+
+def test_write_assets_feed_the_real_trainer(tmp_path):
+    """--write-assets: a random target folder and an Arrow dataset that train_dflash.py trains on as they are."""
+    info = bd.main(["--shape", "tiny", "--write-assets", str(tmp_path / "assets"), "--cpu"])
+    assert info["rows"] == 512 and info["tokens"] == 512 * 64
+    r = subprocess.run([sys.executable, "train_dflash.py", f"--TARGET={info['target']}", f"--DATA={info['data']}",
+                        f"--MASK_TOKEN_ID={info['mask_token_id']}", "--NUM_DRAFT_LAYERS=2", "--BLOCK_SIZE=4",
+                        "--MAX_ANCHORS=8", "--TOKEN_BUDGET=256", "--MAX_STEPS=2", "--LOG_EVERY=1",
+                        f"--OUT_DIR={tmp_path / 'run'}", "--RESUME=scratch"],
+                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "done: 2 steps" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama_tied"])
+def test_bench_target_is_a_target(tiny_qwen3_dir, family):
+    """The random build has Target's attributes, working RoPE buffers and tying: its features equal a normally
+    constructed HF model holding the same weights."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from model.target import Target
+    if family == "qwen3":
+        cfg = bd.hf_config("tiny")
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                                       tie_word_embeddings=True)
+    t = bd.build_target(cfg, [0, 2], torch.device("cpu"), torch.float32)
+    real = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=[0, 2])
+    assert set(vars(t)) == set(vars(real)), "Target.__init__ sets attributes the bench's build does not"
+    assert (t.lm_head_weight is t.embed_tokens.weight) == cfg.tie_word_embeddings
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    ref.load_state_dict(t.model.state_dict())
+    ids = torch.randint(0, cfg.vocab_size - 1, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = ref(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(t.features(ids), torch.cat([hs[1], hs[3]], -1))
+
+
+def test_visible_pairs_count_the_dense_mask():
+    from model.attention import dense_mask
+    from model.objective import pack, sample_anchors
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([40, 17, 63])
+    doc, pos = pack(lengths)
+    lm = (torch.rand(len(doc), generator=g) > 0.2).to(torch.uint8)
+    anchors = sample_anchors(lm, doc, 30, g)
+    B = 5
+    assert bd.visible_pairs(pos, anchors, B) == int(dense_mask(anchors, doc[anchors], doc, B).sum())
+
+
+# --- the planner ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "smol"])
+def test_param_counts_match_the_models(shape):
+    from transformers import AutoModelForCausalLM
+    from model.drafter import Drafter, DrafterConfig
+    hf = bd.hf_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+        drafter = Drafter(DrafterConfig.from_target(hf, 5, 16, bd.SHAPES[shape][-1]))
+    s = planner.model_sizes(hf)
+    est = planner.estimate(bench_cfg(), hf, 2)
+    assert est["derived"]["target_params"] == sum(p.numel() for p in model.parameters())
+    assert est["derived"]["drafter_params"] == sum(p.numel() for p in drafter.parameters())
+    layer = model.model.layers[0]
+    assert planner.target_layer_params(s) == sum(p.numel() for p in layer.parameters())
+
+
+def test_activation_terms_match_autograd_saved_bytes(monkeypatch):
+    """Under bf16 autocast (CPU here), the planner's drafter activation and weight-copy terms equal what autograd
+    saves for backward (saved_tensors_hooks), with attention stood in by a function that saves what flex does
+    (bf16 q, k, v, output, fp32 logsumexp). A change in model/drafter.py that moves these fails here: recalibrate."""
+    import torch.nn.functional as F
+    import model.drafter as md
+    from model.drafter import Drafter, DrafterConfig
+
+    class FlexSaves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask):
+            with torch.no_grad():
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            ctx.save_for_backward(q, k, v, o, torch.zeros(q.shape[:-1]))
+            return o
+
+        @staticmethod
+        def backward(ctx, go):
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    def attend(self, q, k, v, mask):
+        M = q.shape[0]
+        q, k, v = (x.transpose(0, 1).unsqueeze(0).to(torch.bfloat16) for x in (q, k, v))
+        return self.o_proj(FlexSaves.apply(q, k, v, mask)[0].transpose(0, 1).reshape(M, -1))
+    monkeypatch.setattr(md.Attention, "_attend", attend)
+    hf = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+              vocab_size=100, num_hidden_layers=8)
+    L, K, N, B, T = 3, 3, 12, 4, 150
+    cfg = DrafterConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        intermediate_size=256, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+                        max_position_embeddings=4096, num_hidden_layers=L, num_target_layers=8,
+                        target_layer_ids=list(range(K)), block_size=B, mask_token_id=0, vocab_size=100)
+    torch.manual_seed(0)
+    d = Drafter(cfg)
+    feats = torch.randn(T, K * 96, dtype=torch.bfloat16)
+    anchors = torch.arange(N) * (T // N) + 1
+    attn = d.attn_spec(anchors, torch.zeros_like(anchors), torch.zeros(T, dtype=torch.long))
+    emb = torch.randn(N * B, 96, dtype=torch.bfloat16)
+    item = type("Item", (), {"features": feats})()
+    rig = type("Rig", (), {"params": list(d.parameters()), "embed": torch.nn.Embedding(1, 1),
+                           "head_w": torch.zeros(1)})()
+    saved = bd.SavedBytes(rig, item)
+    with torch.autocast("cpu", dtype=torch.bfloat16), saved.hooks():
+        d(feats, torch.arange(T), emb, (anchors[:, None] + torch.arange(B)).flatten(), attn)
+    got = saved.totals()
+    est = planner.estimate(dict(NUM_DRAFT_LAYERS=L, TARGET_LAYER_IDS="0,1,2", BLOCK_SIZE=B, MAX_ANCHORS=N,
+                                TOKEN_BUDGET=T, CE_CHUNK=4096, TARGET_RANKS=1, SEND_DEPTH=2, Q_HS=8), hf, 2)
+    terms = {t["short"]: t["bytes"] for t in est["roles"]["drafter"]["terms"]}
+    held = 4 * 96 * N * B                     # the fp32 output the loop holds is alive but not saved by autograd
+    acts = terms["block acts"] + terms["kv acts"] + terms["ctx+out acts"] - held
+    assert acts == pytest.approx(got["activations"], rel=0.03)
+    fc_copy = K * 96 * 96 * 2                 # autocast caches fc's bf16 weight, autograd does not save it
+    assert terms["bf16 copies"] - fc_copy == pytest.approx(got["weight copies"], rel=0.01)
+
+
+def test_terms_scale_with_their_knobs():
+    hf = bd.hf_config("qwen3-8b")
+    base = planner.estimate(bench_cfg(), hf, 2)
+    more = planner.estimate(bench_cfg(MAX_ANCHORS=1024), hf, 2)
+
+    def term(e, role, short):
+        return next(t["bytes"] for t in e["roles"][role]["terms"] if t["short"] == short)
+    assert term(more, "drafter", "block acts") == 2 * term(base, "drafter", "block acts")
+    assert term(more, "drafter", "CE rows") == 2 * term(base, "drafter", "CE rows")
+    assert term(more, "drafter", "kv acts") > term(base, "drafter", "kv acts")           # block rows are K/V rows too
+    assert more["roles"]["target"]["total"] == base["roles"]["target"]["total"]
+    assert 1.2 < more["roles"]["drafter"]["total"] / base["roles"]["drafter"]["total"] < 2.0
+    longer = planner.estimate(bench_cfg(TOKEN_BUDGET=2 * 12288), hf, 2)
+    assert term(longer, "target", "forward") == 2 * term(base, "target", "forward")
+    assert term(longer, "drafter", "queue") == 2 * term(base, "drafter", "queue")
+    assert term(longer, "target", "target weights") == term(base, "target", "target weights")
+    # the 8B drafter at the issue's shape: ~1.05B params -> 16 bytes each for weights + AdamW + grads
+    d = base["derived"]
+    assert 1.0e9 < d["drafter_params"] < 1.1e9 and d["layer_ids"] == [1, 9, 17, 25, 33]
+    # DDP buckets appear with a second drafter rank; one GPU is one colocated role sharing the frozen tensors
+    assert "DDP buckets" not in {t["short"] for t in base["roles"]["drafter"]["terms"]}
+    assert "DDP buckets" in {t["short"] for t in planner.estimate(bench_cfg(), hf, 3)["roles"]["drafter"]["terms"]}
+    solo = planner.estimate(bench_cfg(), hf, 1)
+    assert list(solo["roles"]) == ["target+drafter"]
+    assert "frozen io" not in {t["short"] for t in solo["roles"]["target+drafter"]["terms"]}
+
+
+def test_recommend_split():
+    assert planner.recommend_split(40e3, 25e3, 8) == (3, 5)
+    assert planner.recommend_split(40e3, 25e3, 2) == (1, 1)
+    assert planner.recommend_split(10e3, 30e3, 8) == (6, 2)
+    assert planner.recommend_split(20e3, 20e3, 4) == (2, 2)
+    assert planner.recommend_split(20e3, 20e3, 5) == (2, 3)          # tie 40K either way: fewer target ranks
+    with pytest.raises(ValueError):
+        planner.recommend_split(1.0, 1.0, 1)
+
+
+def test_check_fits_names_the_knob():
+    hf = bd.hf_config("qwen3-8b")
+    h200 = 141 * 10 ** 9
+    assert planner.check_fits(planner.estimate(bench_cfg(), hf, 2, h200), h200) == []
+    errs = planner.check_fits(planner.estimate(bench_cfg(MAX_ANCHORS=8192), hf, 2, h200), h200)
+    assert len(errs) == 1 and errs[0].startswith("drafter role needs") and "MAX_ANCHORS (now 8192) to <=" in errs[0]
+    fix = int(errs[0].split("MAX_ANCHORS (now 8192) to <= ")[1].split(";")[0].split(",")[0])
+    assert planner.check_fits(planner.estimate(bench_cfg(MAX_ANCHORS=fix), hf, 2, h200), h200) == []
+    assert planner.check_fits(planner.estimate(bench_cfg(MAX_ANCHORS=fix + 64), hf, 2, h200), h200) != []
+    errs = planner.check_fits(planner.estimate(bench_cfg(CE_CHUNK=0), hf, 2, 40 * GiB), 40 * GiB)
+    assert any("CE_CHUNK (now 0 (unchunked))" in e for e in errs), errs
+    errs = planner.check_fits(planner.estimate(bench_cfg(), hf, 2, 16 * GiB), 16 * GiB)
+    assert any(e.startswith("target role") and "no setting fixes it" in e for e in errs), errs
+    errs = planner.check_fits(planner.estimate(bench_cfg(MAX_ANCHORS=8192), hf, 1, h200), h200)
+    assert "TARGET_RANKS" in errs[0] and "MAX_ANCHORS" in errs[0]
+    assert "TARGET_RANKS=4" in planner.check_fits(planner.estimate(bench_cfg(TARGET_RANKS=4), hf, 4, h200), h200)[0]
+
+
+def test_format_plan():
+    hf = bd.hf_config("qwen3-8b")
+    text = planner.format_plan(planner.estimate(bench_cfg(TARGET_RANKS=1), hf, 8, 141 * 10 ** 9), rates=(40e3, 25e3))
+    lines = text.splitlines()
+    assert lines[1].lstrip().startswith("target") and lines[2].lstrip().startswith("drafter")
+    assert "3 target : 5 drafter => 120.0K tok/s" in lines[3] and "configured 1:7" in lines[3]
+    assert "GiB peak (forward)" in lines[2] and "block acts" in lines[2]
