@@ -83,7 +83,7 @@ class Sender(threading.Thread):
                 dist.get_backend(self.data) == "nccl" else None
             while True:
                 dst, p, ready = self.q.get()
-                self.watchdog.state = f"sending g={p.g} to rank {dst}"
+                self.watchdog.send_state = f"sending g={p.g} to rank {dst}"
                 if stream is not None:
                     with torch.cuda.stream(stream):
                         stream.wait_event(ready)
@@ -91,6 +91,7 @@ class Sender(threading.Thread):
                     stream.synchronize()  # the payload must outlive the transfer
                 else:
                     send_packet(p, dst, self.ctrl, self.data)
+                self.watchdog.send_state = f"sent g={p.g} to rank {dst}"
                 self.sent += 1
                 self.tokens += p.num_tokens
                 self.watchdog.progress()
@@ -171,7 +172,8 @@ class Watchdog(threading.Thread):
         self.heartbeat_timeout, self.stall_timeout, self.interval, self.log = (
             heartbeat_timeout, stall_timeout, interval, log)
         self.state = "starting"
-        self.recv_state = ""
+        self.recv_state = ""       # the Receiver thread's, so it never hides what the main thread is doing
+        self.send_state = ""       # the Sender thread's, likewise
         self.stats = {}            # role-specific numbers for the status line (queue depth, counters)
         self.steady = False        # stall detection only once training runs (start-up can take minutes)
         self._beats = 0
@@ -194,19 +196,57 @@ class Watchdog(threading.Thread):
     # -- ending the job --
     def fail(self, reason: str, detail: str = "") -> None:
         """This rank cannot go on: publish why, print it, exit non-zero. Once the job is done (peers exiting close
-        their connections, which surfaces here as errors) it is a normal exit instead."""
+        their connections, which surfaces here as errors) it is a normal exit instead. A transport error is most
+        often the echo of another rank's death: then that death is the reason published."""
         self._exit_if_done()
         msg = f"{self.who(self.rank)}: {reason}"
+        culprit = self._culprit(wait=2 * self.interval)
+        if culprit:
+            detail = f"{detail}\n{msg}".lstrip("\n")
+            msg = culprit
         try:
             self.store.compare_set("abort", "", msg)
         except Exception:  # noqa: BLE001 - the store may be gone too; we still exit
             pass
         self._exit(msg, detail)
 
+    def _culprit(self, wait: float) -> str:
+        """A rank on this host whose process is gone, or the reason another rank already published, looked for
+        during up to `wait` s (its watchdog may be a beat away from naming a death on its own host)."""
+        end = time.monotonic() + wait
+        host = socket.gethostname()
+        while True:
+            try:
+                self._load_peers()
+                for r, (h, pid) in self._peers.items():
+                    if h == host and not _pid_alive(pid):
+                        return f"{self.who(r)} died (process {pid} is gone: killed, crashed or out of memory)"
+                if self.store.check(["abort"]):
+                    published = self.store.get("abort").decode()
+                    if published:
+                        return published
+            except Exception:  # noqa: BLE001 - the store is gone: report our own reason
+                return ""
+            if time.monotonic() >= end:
+                return ""
+            time.sleep(0.1)
+
+    def _load_peers(self) -> None:
+        if self._peers:
+            return
+        others = [r for r in range(self.world) if r != self.rank]
+        if self.store.check([f"pid/{r}" for r in others]):
+            for r in others:
+                h, pid = self.store.get(f"pid/{r}").decode().split()
+                self._peers[r] = (h, int(pid))
+
     def _exit(self, msg, detail=""):
-        if detail:
-            print(detail, file=sys.stderr, flush=True)
-        self.log(f"ABORT: {msg} -- ending the job")
+        try:   # stdout may be gone (tmux pane or tee killed): the exit below must happen regardless
+            if detail:
+                print(detail, file=sys.stderr, flush=True)
+            self.log(f"ABORT: {msg} -- ending the job")
+        except Exception:  # noqa: BLE001
+            pass
         for cb in self.on_abort:
             try:
                 cb()
@@ -266,7 +306,8 @@ class Watchdog(threading.Thread):
     def _beat(self):
         self._beats += 1
         now = time.monotonic()
-        state = self.state + (f"; receiver {self.recv_state}" if self.recv_state else "")
+        state = self.state + (f"; receiver {self.recv_state}" if self.recv_state else "") + \
+            (f"; sender {self.send_state}" if self.send_state else "")
         self.store.set(f"hb/{self.rank}", json.dumps({"beat": self._beats, "progress": self._progress,
                                                       "steady": self.steady, "state": state, **self.stats}))
         if not self.is_master:
@@ -274,12 +315,9 @@ class Watchdog(threading.Thread):
         self._check_abort()
         host = socket.gethostname()
         others = [r for r in range(self.world) if r != self.rank]
+        self._load_peers()
         if not self._peers:
-            if not self.store.check([f"pid/{r}" for r in others]):
-                return
-            for r in others:
-                h, pid = self.store.get(f"pid/{r}").decode().split()
-                self._peers[r] = (h, int(pid))
+            return
         for r in others:
             h, pid = self._peers[r]
             if h == host and not _pid_alive(pid):

@@ -220,7 +220,8 @@ class Dist:
 
 
 def log(msg: str) -> None:
-    print(msg, flush=True)
+    sys.stdout.write(msg + "\n")   # one write: ranks sharing a terminal never interleave inside a line
+    sys.stdout.flush()
 
 
 class Phase:
@@ -293,8 +294,13 @@ class Data:
             if bad.any():
                 reasons[why] = int(bad.sum())
                 ok &= ~bad
-        drop(~(mask_offsets == self.offsets).all() * np.ones(n, bool) if len(mask_offsets) != len(self.offsets)
-             else np.diff(mask_offsets) != lengths, "loss_mask_length_differs")
+        same_len = np.diff(mask_offsets) == lengths
+        drop(~same_len, "loss_mask_length_differs")
+        if not same_len.all():   # the flat mask must line up with the flat ids; the dropped rows' masks are zeros
+            aligned = np.zeros(len(self.ids), dtype=np.uint8)
+            for r in np.nonzero(same_len)[0]:
+                aligned[self.offsets[r]:self.offsets[r + 1]] = self.mask[mask_offsets[r]:mask_offsets[r + 1]]
+            self.mask = aligned
         row_of_token = np.repeat(np.arange(n), lengths)
         bad_tok = np.zeros(n, dtype=bool)
         bad_tok[row_of_token[(self.ids < 0) | (self.ids >= vocab_rows)]] = True
@@ -598,7 +604,8 @@ def main(argv):
             try:
                 check_mask_token_id(mask_id, tok, vocab_rows)
             except ValueError as e:
-                sys.exit(f"error: {e}")
+                sys.exit(f"error: --MASK_TOKEN_ID={mask_id}: {e}. Leave --MASK_TOKEN_ID=-1 to use "
+                         f"{default_mask_token_id(tok, vocab_rows)}, chosen automatically")
         elif not 0 <= mask_id < vocab_rows:
             sys.exit(f"error: MASK_TOKEN_ID={mask_id} is outside the target's embedding (0..{vocab_rows - 1})")
         layer_ids = [int(x) for x in TARGET_LAYER_IDS.split(",")] if TARGET_LAYER_IDS else None
