@@ -484,7 +484,9 @@ def load_frozen_io(path, device, dtype):
     from safetensors import safe_open
     from transformers import AutoConfig
     path = Path(path)
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    top = AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = top.get_text_config()
+    tied = bool(getattr(top, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     found = {}
@@ -497,13 +499,12 @@ def load_frozen_io(path, device, dtype):
                     found["embed"] = sf.get_tensor(k)
                 elif k == "lm_head.weight":
                     found["head"] = sf.get_tensor(k)
-    if "embed" not in found:  # not safetensors, or unusual names: fall back to loading the model
+    if "embed" not in found or ("head" not in found and not tied):
+        # not safetensors, or unusual names: let transformers find the two tensors
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         found = {"embed": m.get_input_embeddings().weight.detach(), "head": m.get_output_embeddings().weight.detach()}
-    if "head" not in found:
-        assert getattr(cfg, "tie_word_embeddings", False) or True, "untied target without lm_head.weight"
-        found["head"] = found["embed"]                                                    # tied embeddings
+    found.setdefault("head", found["embed"])                                             # tied embeddings
     embed = torch.nn.Embedding.from_pretrained(found["embed"].to(device, dtype), freeze=True)
     return embed, found["head"].to(device, dtype).requires_grad_(False), cfg
 
