@@ -205,3 +205,15 @@ def test_readme_documents_every_constant():
     readme = (REPO / "README.md").read_text()
     missing = [k for k in train_dflash.CONFIG_KEYS if f"| `{k}` |" not in readme]
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_dir):
+    """Drafter ranks read the two frozen tensors from the safetensors files, tied (Llama tiny) or not (Qwen3 tiny)."""
+    from transformers import AutoModelForCausalLM
+    import train_dflash
+    for path in (tiny_qwen3_dir, tiny_llama_dir):
+        m = AutoModelForCausalLM.from_pretrained(path)
+        embed, head, _ = train_dflash.load_frozen_io(path, "cpu", torch.float32)
+        torch.testing.assert_close(embed.weight, m.get_input_embeddings().weight, rtol=0, atol=0)
+        torch.testing.assert_close(head, m.get_output_embeddings().weight, rtol=0, atol=0)
+        assert not embed.weight.requires_grad and not head.requires_grad
