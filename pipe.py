@@ -175,6 +175,7 @@ class Watchdog(threading.Thread):
         self.recv_state = ""       # the Receiver thread's, so it never hides what the main thread is doing
         self.send_state = ""       # the Sender thread's, likewise
         self.stats = {}            # role-specific numbers for the status line (queue depth, counters)
+        self.collect = []          # callables returning more stats, polled here (e.g. a BusyClock)
         self.steady = False        # stall detection only once training runs (start-up can take minutes)
         self._beats = 0
         self._progress = 0
@@ -306,6 +307,8 @@ class Watchdog(threading.Thread):
     def _beat(self):
         self._beats += 1
         now = time.monotonic()
+        for fn in self.collect:
+            self.stats.update(fn())
         state = self.state + (f"; receiver {self.recv_state}" if self.recv_state else "") + \
             (f"; sender {self.send_state}" if self.send_state else "")
         self.store.set(f"hb/{self.rank}", json.dumps({"beat": self._beats, "progress": self._progress,

@@ -384,6 +384,43 @@ class Schedule:
         return LR * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.planned_g - warm))))
 
 
+class BusyClock:
+    """Seconds and tokens a role spends computing, so the master can measure each role's capacity (not only the
+    pipeline's rate, which the slower role sets). On GPU: CUDA events around each unit of work, summed by the
+    watchdog thread once they have completed, so the hot loop never syncs."""
+
+    def __init__(self, device):
+        import collections
+        self.cuda = device.type == "cuda"
+        self.pending = collections.deque()   # (start event, end event, tokens), appended by the worker thread
+        self.seconds, self.tokens = 0.0, 0
+
+    def start(self):
+        if self.cuda:
+            import torch
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, t0, tokens):
+        if self.cuda:
+            import torch
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pending.append((t0, e, tokens))
+        else:
+            self.seconds += time.perf_counter() - t0
+            self.tokens += tokens
+
+    def poll(self) -> dict:
+        while self.pending and self.pending[0][1].query():
+            s, e, tok = self.pending.popleft()
+            self.seconds += s.elapsed_time(e) / 1000
+            self.tokens += tok
+        return {"busy_s": self.seconds, "busy_tok": self.tokens}
+
+
 def micro_seed(g: int) -> int:
     """Anchors and noise of micro-batch g depend on (SEED, g) only: any split, any resume point, same draws."""
     return (SEED * 1_000_003 + g) % (2 ** 63 - 1)
@@ -398,7 +435,7 @@ def target_features(target, ids, attn, device):
     return feats.flatten(0, 1).index_select(0, keep.to(device, non_blocking=True))  # [T, K*H]
 
 
-def produce(d, data, sched, target, start_g, stop_g, watchdog):
+def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None):
     """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre)."""
     from pipe import Packet
     q_pre = queue.Queue(maxsize=Q_PREFETCH)
@@ -429,7 +466,10 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog):
             watchdog.state = f"target forward g={g}"
             watchdog.stats["q"] = q_pre.qsize()
         keep = attn.bool()
+        t0 = clock.start() if clock else None
         feats = target_features(target, ids, attn, d.device)
+        if clock:
+            clock.stop(t0, int(lens.sum()))
         yield Packet(g, lens, ids[keep], mask[keep], feats)
 
 
@@ -735,10 +775,12 @@ def main(argv):
         if d.is_target and not d.colocated:
             sender = Sender(d.ctrl, d.data, SEND_DEPTH, watchdog)
             sender.start()
+            clock = BusyClock(d.device)
+            watchdog.collect.append(clock.poll)
             watchdog.steady = True
             watchdog.state = "producing"
             n0 = 0
-            for p in produce(d, data, sched, target, start_g, current_stop_g, watchdog):
+            for p in produce(d, data, sched, target, start_g, current_stop_g, watchdog, clock):
                 sender.put(d.n_targets + sched.consumer(p.g), p)
                 watchdog.progress()
                 n0 += 1
@@ -807,6 +849,26 @@ def main(argv):
         fail(reason, traceback.format_exc())
 
 
+def report_split(peers, d, row) -> bool:
+    """Once every rank has computed a few micro-batches: each role's measured capacity (tokens per busy second per
+    GPU) and the split planner.recommend_split gives for this many GPUs. Returns whether it could report."""
+    from planner import recommend_split
+    rates = {}
+    for r, info in peers.items():
+        if not info or info.get("busy_tok", 0) < 5 * TOKEN_BUDGET // 2 or info.get("busy_s", 0) <= 0:
+            return False
+        rates.setdefault(d.roles[r], []).append(info["busy_tok"] / info["busy_s"])
+    tgt, dft = (sum(v) / len(v) for v in (rates["target"], rates["drafter"]))
+    best = recommend_split(tgt, dft, d.world)
+    row.update(target_capacity_tok_s=tgt, drafter_capacity_tok_s=dft, recommended_split=list(best))
+    advice = "keep it" if best == (d.n_targets, d.n_drafters) else f"try --TARGET_RANKS={best[0]} (resume keeps " \
+                                                                   f"the data position)"
+    log(f"throughput per GPU (measured while busy): target {fmt_k(tgt)}tok/s, drafter {fmt_k(dft)}tok/s -> for "
+        f"{d.world} GPUs the planner recommends {best[0]} targets : {best[1]} drafters (now {d.n_targets} : "
+        f"{d.n_drafters}; {advice})")
+    return True
+
+
 def wait_done(d, watchdog):
     """Non-master ranks idle here until the master has saved; their watchdog then exits them with code 0."""
     watchdog.state = "finished; waiting for the master's last checkpoint"
@@ -854,6 +916,10 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
     stop_at = None
     first = True
     tgt_n_prev = 0   # micro-batches the target ranks had made at the last status line
+    clock = BusyClock(d.device)
+    split_reported = d.colocated
+    if watchdog:
+        watchdog.collect.append(clock.poll)
     if d.is_master:
         log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")
 
@@ -928,12 +994,14 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 gen = torch.Generator(device=d.device).manual_seed(micro_seed(item.g))
                 feats = feats + (torch.rand(feats.shape, generator=gen, device=d.device, dtype=torch.float32)
                                  * 2 - 1).mul_(NOISE).to(feats.dtype)
+            t0 = clock.start()
             sync = m == GRAD_ACCUM - 1 or d.n_drafters == 1
             ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
             with ctx, autocast:
                 hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
                 parts = weighted_ce(hidden, head_w, item.labels, item.weights, CE_CHUNK, rows=item.rows)
                 parts.loss_sum.backward()
+            clock.stop(t0, item.tokens)
             bm = block_metrics(parts.correct.view(-1, dcfg.block_size), item.weights.view(-1, dcfg.block_size))
             step_w += parts.weight_sum.double()
             sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(), bm["acc_num"].double(),
@@ -1013,6 +1081,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                        "lr": lr, "noise_std": noise_std, "tgt_mb_s": tgt_rate, "dft_mb_s": dft_rate,
                        "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta,
                        "ddp_weight_spread": spread}
+                if not split_reported:
+                    split_reported = report_split(peers, d, row)
                 metrics.write(row)
                 el = now - t_start
                 tau = f" tau={last_eval['tau']:.2f}" if last_eval else ""

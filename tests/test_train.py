@@ -60,9 +60,14 @@ def test_drafters_receive_the_targets_features(assets, tmp_path, nproc, targets)
 def test_ddp_drafters_identical_and_loss_falls(assets, tmp_path):
     target, data = assets
     out = tmp_path / "out"
-    ok(run(3, base_args(target, data, out, EPOCHS=12, LR=1e-2)))
+    r = ok(run(3, base_args(target, data, out, EPOCHS=12, LR=1e-2)))
     rows = metrics(out)
     assert rows and all(r["ddp_weight_spread"] == 0.0 for r in rows)
+    # each role's capacity is measured from its busy time and turned into a split recommendation, once
+    assert r.stdout.count("throughput per GPU (measured while busy)") == 1, r.stdout
+    rec = [x for x in rows if "recommended_split" in x]
+    assert len(rec) == 1 and sum(rec[0]["recommended_split"]) == 3
+    assert rec[0]["target_capacity_tok_s"] > 0 and rec[0]["drafter_capacity_tok_s"] > 0
     # the copy task is learnable, but the tiny tied lm_head caps how sharp logits get: judge by acc and a clear fall
     head, tail = rows[:3], rows[-5:]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
