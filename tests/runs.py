@@ -56,6 +56,20 @@ def make_dataset(out: Path, n=48, min_len=24, max_len=64, seed=0, vocab=VOCAB) -
     return out
 
 
+def padded(lengths, input_ids):
+    """A packed micro-batch (lengths [b], input_ids [T]) back to the padded [b, S] ids and attention mask the target
+    ranks run."""
+    import torch
+    S, b = int(lengths.max()), len(lengths)
+    ids = torch.zeros(b, S, dtype=torch.long)
+    attn = torch.zeros(b, S, dtype=torch.long)
+    o = 0
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, :n], attn[i, :n] = input_ids[o:o + n], 1
+        o += n
+    return ids, attn
+
+
 def base_args(target, data, out, **kw) -> list[str]:
     cfg = dict(TARGET=target, DATA=data, OUT_DIR=out, MASK_TOKEN_ID=MASK_ID, NUM_DRAFT_LAYERS=1, BLOCK_SIZE=4,
                GAMMA=4.0, MAX_ANCHORS=32, TOKEN_BUDGET=256, MAX_BATCH_SIZE=8, LR=3e-3, WARMUP_RATIO=0.1, EPOCHS=1,

@@ -3,7 +3,7 @@ Skipped without 2 GPUs; run on the device machine with `python -m pytest tests/t
 import pytest
 import torch
 
-from runs import base_args, make_dataset, make_target, metrics, run
+from runs import base_args, make_dataset, make_target, metrics, padded, run
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -21,14 +21,7 @@ def test_nccl_features_equal_direct_and_flex_training_learns(tmp_path):
     worst = 0.0
     for p in sorted((out / "dump").glob("g*.pt")):
         got = torch.load(p)
-        lengths, ids = got["lengths"], got["input_ids"]
-        S, b = int(lengths.max()), len(lengths)
-        pad = torch.zeros(b, S, dtype=torch.long)
-        attn = torch.zeros(b, S, dtype=torch.long)
-        o = 0
-        for i, n in enumerate(lengths.tolist()):
-            pad[i, :n], attn[i, :n] = ids[o:o + n], 1
-            o += n
+        pad, attn = padded(got["lengths"], got["input_ids"])
         want = t.features(pad.cuda(), attn.cuda())[attn.cuda().bool()].cpu()
         assert got["features"].dtype == torch.bfloat16 and got["features"].shape == want.shape
         worst = max(worst, (got["features"].float() - want.float()).abs().max().item())

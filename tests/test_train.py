@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import (MASK_ID, REPO, base_args, env, finish, losses, make_dataset, make_target, metrics, run, start,
-                  wait_for, free_port)
+from runs import (MASK_ID, REPO, base_args, env, finish, losses, make_dataset, make_target, metrics, padded, run,
+                  start, wait_for, free_port)
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +30,7 @@ def packed_target_features(target_dir, lengths, input_ids):
     from model.target import Target
     from model.drafter import default_layer_ids
     t = Target(target_dir, "cpu", torch.float32, default_layer_ids(4, 1))
-    S, b = int(lengths.max()), len(lengths)
-    ids = torch.zeros(b, S, dtype=torch.long)
-    attn = torch.zeros(b, S, dtype=torch.long)
-    o = 0
-    for i, n in enumerate(lengths.tolist()):
-        ids[i, :n] = input_ids[o:o + n]
-        attn[i, :n] = 1
-        o += n
+    ids, attn = padded(lengths, input_ids)
     return t.features(ids, attn)[attn.bool()]
 
 
