@@ -253,8 +253,11 @@ class Watchdog(threading.Thread):
                 cb()
             except Exception:  # noqa: BLE001
                 pass
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
         os._exit(1)
 
     def finished(self) -> None:
