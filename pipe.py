@@ -248,6 +248,10 @@ class Watchdog(threading.Thread):
             self.log(f"ABORT: {msg} -- ending the job")
         except Exception:  # noqa: BLE001
             pass
+        self._leave(1)
+
+    def _leave(self, code: int) -> None:
+        """Run the on_abort callbacks (flush logs) and end the process; nothing here may keep it alive."""
         for cb in self.on_abort:
             try:
                 cb()
@@ -258,7 +262,7 @@ class Watchdog(threading.Thread):
             sys.stderr.flush()
         except Exception:  # noqa: BLE001
             pass
-        os._exit(1)
+        os._exit(code)   # pending point-to-point transfers (targets that ran ahead) would block a clean teardown
 
     def finished(self) -> None:
         """The master calls this after its last checkpoint: every rank exits 0, the master last."""
@@ -278,18 +282,11 @@ class Watchdog(threading.Thread):
             self._clean_exit()
 
     def _clean_exit(self):
-        for cb in self.on_abort:
-            try:
-                cb()
-            except Exception:  # noqa: BLE001
-                pass
         try:
             self.store.set(f"exited/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)   # pending point-to-point transfers (targets that ran ahead) would block a clean teardown
+        self._leave(0)
 
     def _check_abort(self):
         if self.store.check(["abort"]):
