@@ -2,6 +2,7 @@
 
     python eval_dflash.py --target ~/.cache/dflash/smollm2-135m-instruct --drafter runs/x/export \
         --prompts data/default/eval_prompts.jsonl --limit 40 --max-new-tokens 256 --tree-budget 32 --out tau.json
+    python eval_dflash.py --target ... --drafter runs/x/checkpoints/step_*/drafter --prompts ... --workers 16
 
 Greedy speculative decoding, batch 1, with a KV cache for the target (HF DynamicCache) and for the drafter's
 context (model.drafter.DrafterCache):
@@ -30,13 +31,28 @@ Choices (documented here once):
     depends on its ancestors under that mask, so they equal a sequential forward's), no re-feed.
   - Timing: wall time of the whole decode (prefill included) with and without the drafter, after an untimed
     warm-up; tokens/s = generated tokens / seconds summed over prompts.
+  - Several drafters (--drafter a b ..., evaluate_drafters): one target load, one warm-up (with the first drafter)
+    and one greedy reference per prompt serve them all; each gets its own full result and report block. Prompts are
+    checked against the largest block size, so every drafter sees the same prompts.
+  - --workers N: N processes of this script (hidden --shard k/N), each loading the target on the same device and
+    dealt the kept prompts round-robin (worker k: k, k+N, k+2N, ...: prompt files keep categories, hence lengths,
+    grouped, so contiguous shards would finish unevenly); each writes its per-prompt results to a temp JSON, the
+    parent interleaves them back into prompt order (merge_shards) and aggregates them with the same summarize() as
+    one process: per-prompt results, tau, histogram and losslessness equal --workers 1's. Tokens/s are then per
+    stream under contention, comparable only between runs with --workers 1 (the report says so). Torch CPU threads
+    per worker: cpu_count // N. A failing worker kills the others and fails the run with the end of its stderr.
+  - --out JSON: with one drafter the result dict that evaluate() returns (plus target/drafter/prompts_file/torch/
+    workers in its config); with several {"drafters": [{"drafter": path, ...that result...}, ...]} in the order
+    given. main() returns the same object.
 """
 import argparse
 import heapq
 import inspect
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -321,15 +337,24 @@ def _by_category(rows, key):
 
 
 def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
-             tree_budget=0, device=None, *, tree_top_k=TREE_TOP_K, enable_thinking=None, on_too_long="error",
-             reference=None, log=print) -> dict:
-    """tau, losslessness and speed of `drafter` on `prompts` (rows as in load_prompts).
+             tree_budget=0, device=None, **kw) -> dict:
+    """tau, losslessness and speed of `drafter` on `prompts` (rows as in load_prompts): evaluate_drafters with one
+    drafter. The keyword-only options (tree_top_k, enable_thinking, on_too_long, reference, log) are its."""
+    return evaluate_drafters(target_model, tokenizer, [drafter], prompts, block_size, max_new_tokens, tree_budget,
+                             device, **kw)[0]
+
+
+def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
+                      tree_budget=0, device=None, *, tree_top_k=TREE_TOP_K, enable_thinking=None, on_too_long="error",
+                      reference=None, shard=(0, 1), log=print) -> list[dict]:
+    """One result per drafter, over the same prompts, with one warm-up and one greedy reference per prompt for all.
 
     target_model: an HF causal LM (attn_implementation sdpa or eager for trees) or a model.target.Target;
-    drafter: a Drafter in memory (on the target's device; any dtype) or a proposer (see DrafterProposer);
-    block_size: default the drafter's; tree_budget > 0 also runs DDTree on the same prompts;
+    drafters: Drafters in memory (on the target's device; any dtype) or proposers (see DrafterProposer);
+    block_size: default each drafter's own; tree_budget > 0 also runs DDTree on the same prompts;
     reference: a dict kept by the caller across calls (the trainer) to reuse the greedy reference decodes and their
     timing: they depend on the target and prompts only, not on the drafter;
+    shard=(k, n): decode only the kept prompts k, k+n, k+2n, ... (a --workers process; merge_shards joins them);
     log: called with one line per prompt (None: quiet)."""
     model = target_model.model if isinstance(target_model, Target) else target_model
     model.eval()
@@ -337,74 +362,92 @@ def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new
     if device.type == "cuda" and device.index is None:   # "cuda" means the current GPU
         device = torch.device("cuda", torch.cuda.current_device())
     assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
-    proposer = drafter if hasattr(drafter, "propose") else DrafterProposer(drafter, model)
-    block_size = block_size or proposer.drafter.config.block_size
+    proposers = [d if hasattr(d, "propose") else DrafterProposer(d, model) for d in drafters]
+    block_sizes = [block_size or p.drafter.config.block_size for p in proposers]
     if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
                          f"'eager' (it has {model.config._attn_implementation!r})")
     eos = eos_ids(model, tokenizer)
     log = log or (lambda *_: None)
     reference = {} if reference is None else reference
+    k, n_shards = shard
 
-    limit = model.config.get_text_config().max_position_embeddings
+    # every shard checks every prompt, so all workers keep the same list (and report the same `skipped`)
+    limit, B = model.config.get_text_config().max_position_embeddings, max(block_sizes)
     items, skipped = [], []
     for row in prompts:
         ids = encode_prompt(tokenizer, row, enable_thinking)
-        need = len(ids) + max_new_tokens + block_size - 1
+        need = len(ids) + max_new_tokens + B - 1
         if need > limit:
             msg = (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
-                   f"{block_size} it needs {need} positions, the target has max_position_embeddings={limit}")
+                   f"{B} it needs {need} positions, the target has max_position_embeddings={limit}")
             if on_too_long != "skip":
                 raise PromptTooLong(msg + "; shorten it, lower --max-new-tokens, or pass --skip-long")
-            log(f"warning: skipped {msg}")
+            if k == 0:
+                log(f"warning: skipped {msg}")
             skipped.append(row["id"])
             continue
         items.append((row, ids))
     assert items, "no prompts to evaluate"
+    items = items[k::n_shards]
 
     modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
-    row0, ids0 = items[0]                                          # untimed warm-up of every code path
-    greedy_decode(model, ids0, WARMUP_TOKENS, eos)
-    for budget in modes.values():
-        speculative_decode(model, ids0, proposer, block_size, WARMUP_TOKENS, eos, budget, tree_top_k)
+    if items:                                                      # untimed warm-up of every code path
+        ids0 = items[0][1]
+        greedy_decode(model, ids0, WARMUP_TOKENS, eos)
+        for budget in modes.values():
+            speculative_decode(model, ids0, proposers[0], block_sizes[0], WARMUP_TOKENS, eos, budget, tree_top_k)
 
-    per_prompt, seconds, gen_tokens = [], Counter(), Counter()
-    for n, (row, ids) in enumerate(items, 1):
-        key = (tuple(ids), max_new_tokens)
-        if key not in reference:
-            _sync(device)
-            t0 = time.perf_counter()
-            want = greedy_decode(model, ids, max_new_tokens, eos)
-            _sync(device)
-            reference[key] = (want, time.perf_counter() - t0)
-        want, secs = reference[key]
-        seconds["greedy"] += secs
-        gen_tokens["greedy"] += len(want)
-        r = {"id": row["id"], "category": row.get("category", "all"), "prompt_tokens": len(ids),
-             "seconds": {"greedy": secs}}
-        for mode, budget in modes.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            got = speculative_decode(model, ids, proposer, block_size, max_new_tokens, eos, budget, tree_top_k)
-            _sync(device)
-            r["seconds"][mode] = time.perf_counter() - t0
-            seconds[mode] += r["seconds"][mode]
-            gen_tokens[mode] += len(got["tokens"])
-            pre = "" if mode == "dflash" else "tree_"
-            r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
-                  f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
-            if mode == "dflash":
-                r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
-                if tokenizer is not None:
-                    r["text"] = tokenizer.decode(got["tokens"])
-        r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
-        per_prompt.append(r)
-        tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
-        bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
-        log(f"[{n}/{len(items)}] {r['id']} prompt={len(ids)} new={r['new_tokens']} steps={len(r['steps'])} "
-            f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+    results = []
+    for j, (proposer, bs) in enumerate(zip(proposers, block_sizes)):
+        who = f"drafter {j + 1}/{len(proposers)} " if len(proposers) > 1 else ""
+        per_prompt = []
+        for n, (row, ids) in enumerate(items, 1):
+            key = (tuple(ids), max_new_tokens)
+            if key not in reference:
+                _sync(device)
+                t0 = time.perf_counter()
+                want = greedy_decode(model, ids, max_new_tokens, eos)
+                _sync(device)
+                reference[key] = (want, time.perf_counter() - t0)
+            want, secs = reference[key]
+            r = {"id": row["id"], "category": row.get("category", "all"), "prompt_tokens": len(ids),
+                 "seconds": {"greedy": secs}, "gen_tokens": {"greedy": len(want)}}
+            for mode, budget in modes.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                got = speculative_decode(model, ids, proposer, bs, max_new_tokens, eos, budget, tree_top_k)
+                _sync(device)
+                r["seconds"][mode] = time.perf_counter() - t0
+                r["gen_tokens"][mode] = len(got["tokens"])
+                pre = "" if mode == "dflash" else "tree_"
+                r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
+                      f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
+                if mode == "dflash":
+                    r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
+                    if tokenizer is not None:
+                        r["text"] = tokenizer.decode(got["tokens"])
+            r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+            per_prompt.append(r)
+            tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
+            bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
+            log(f"{who}[{n}/{len(items)}] {r['id']} prompt={len(ids)} new={r['new_tokens']} steps={len(r['steps'])} "
+                f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+        config = {"block_size": bs, "max_new_tokens": max_new_tokens, "tree_budget": tree_budget,
+                  "tree_top_k": tree_top_k, "device": str(device), "dtype": str(model.dtype).replace("torch.", ""),
+                  "enable_thinking": enable_thinking, "eos_ids": sorted(eos)}
+        results.append(summarize(per_prompt, skipped, config))
+    return results
 
-    tok_s = {m: gen_tokens[m] / seconds[m] if seconds[m] else float("nan") for m in seconds}
+
+def summarize(per_prompt, skipped, config) -> dict:
+    """The aggregates of per-prompt results given in prompt order. The one code path for a single process and for
+    the merged shards of --workers, so both give the same numbers. Speed: generated tokens / seconds summed over
+    prompts, per mode."""
+    modes = ["greedy", "dflash"] + (["ddtree"] if config["tree_budget"] else [])
+    seconds = {m: sum(r["seconds"][m] for r in per_prompt) for m in modes}
+    tok_s = {m: sum(r["gen_tokens"][m] for r in per_prompt) / seconds[m] if seconds[m] else float("nan")
+             for m in modes}
     result = {
         "tau": _mean([r["tau"] for r in per_prompt]),
         "lossless": all(r["lossless"] for r in per_prompt),
@@ -416,17 +459,29 @@ def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new
         "mismatches": [{"id": r["id"], "dflash": r["mismatch"], "ddtree": r.get("tree_mismatch")}
                        for r in per_prompt if not r["lossless"]],
         "skipped": skipped,
-        "config": {"block_size": block_size, "max_new_tokens": max_new_tokens, "tree_budget": tree_budget,
-                   "tree_top_k": tree_top_k, "device": str(device), "dtype": str(model.dtype).replace("torch.", ""),
-                   "enable_thinking": enable_thinking, "eos_ids": sorted(eos)},
+        "config": config,
         "per_prompt": per_prompt,
     }
-    if tree_budget:
+    if config["tree_budget"]:
         result |= {"tree_tau": _mean([r["tree_tau"] for r in per_prompt]),
                    "tree_tau_by_category": _by_category(per_prompt, "tree_tau"),
                    "tree_accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["tree_steps"]).items())),
                    "tree_speedup": tok_s["ddtree"] / tok_s["greedy"]}
     return result
+
+
+def merge_shards(shards) -> list[dict]:
+    """shards[k]: worker k's results (one per drafter) over the kept prompts k, k+n, k+2n, ... -> one result per
+    drafter over all of them, interleaved back into prompt order and aggregated by summarize."""
+    n = len(shards)
+    merged = []
+    for j, first in enumerate(shards[0]):
+        parts = [s[j]["per_prompt"] for s in shards]
+        total = sum(map(len, parts))
+        assert [len(p) for p in parts] == [len(range(k, total, n)) for k in range(n)], \
+            f"workers returned {[len(p) for p in parts]} prompts, not a round-robin deal of {total}"
+        merged.append(summarize([parts[i % n][i // n] for i in range(total)], first["skipped"], first["config"]))
+    return merged
 
 
 def report_lines(res) -> list[str]:
@@ -438,10 +493,12 @@ def report_lines(res) -> list[str]:
     total = max(1, sum(res["accept_hist"].values()))
     hist = "  ".join(f"{k}:{v / total:.1%}" for k, v in res["accept_hist"].items())
     lines.append(f"committed tokens per step: {hist}")
-    s = res["tokens_per_s"]
+    s, workers = res["tokens_per_s"], res["config"].get("workers", 1)
+    shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
+        if workers > 1 else ""
     lines.append(f"tok/s greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
                  + (f" | ddtree {s['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x, tree_tau "
-                    f"{_fmt(res['tree_tau'])}, budget {res['config']['tree_budget']})" if tree else ""))
+                    f"{_fmt(res['tree_tau'])}, budget {res['config']['tree_budget']})" if tree else "") + shared)
     for m in res["mismatches"]:
         lines.append(f"NOT LOSSLESS {m['id']}: dflash {m['dflash']} ddtree {m['ddtree']}")
     if res["skipped"]:
@@ -451,14 +508,81 @@ def report_lines(res) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# CLI
+# CLI: one process, or --workers processes of this script merged
+
+def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
+    """Load the target and every drafter of the parsed CLI args `a` in this process and evaluate them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from model.export import load_drafter
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = Path(a.target).expanduser()
+    tokenizer = None                       # a target folder without a tokenizer can still run input_ids rows
+    if (target / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    elif any("input_ids" not in r for r in prompts):
+        sys.exit(f"error: {target} has no tokenizer (tokenizer_config.json); without one only pre-tokenized "
+                 f"prompt rows (input_ids) can be evaluated")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True).to(device)
+    drafters = [load_drafter(Path(d).expanduser(), device=device, dtype=dtype).eval() for d in a.drafter]
+    log(f"target {target.name} | {len(prompts)} prompts | {device} {str(dtype).replace('torch.', '')}")
+    for path, d in zip(a.drafter, drafters):
+        log(f"drafter {path} ({d.config.num_hidden_layers} layers, taps {d.config.target_layer_ids})")
+    try:
+        return evaluate_drafters(model, tokenizer, drafters, prompts, a.block_size, a.max_new_tokens, a.tree_budget,
+                                 device, tree_top_k=a.tree_top_k, shard=shard, log=log,
+                                 enable_thinking={"auto": None, "on": True, "off": False}[a.thinking],
+                                 on_too_long="skip" if a.skip_long else "error")
+    except PromptTooLong as e:
+        sys.exit(f"error: {e}")
+
+
+def run_workers(argv, n) -> list[dict]:
+    """This CLI as n processes (`--shard k/n`, each loading the target itself on the same device, writing its
+    results to a temp JSON), waited for and merged. A failing worker stops the others and fails the run with the
+    end of its stderr. Workers print their own progress lines, prefixed [worker k/n]."""
+    with tempfile.TemporaryDirectory(prefix="eval_dflash_") as tmp:
+        outs = [Path(tmp) / f"worker{k}.json" for k in range(n)]
+        errs = [Path(tmp) / f"worker{k}.stderr" for k in range(n)]
+        procs = []
+        try:
+            for k in range(n):
+                with open(errs[k], "w") as err:
+                    procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv,
+                                                   "--shard", f"{k}/{n}", "--out", str(outs[k])], stderr=err))
+            while (rcs := [p.poll() for p in procs]).count(0) < n:
+                failed = next((k for k, rc in enumerate(rcs) if rc not in (None, 0)), None)
+                if failed is not None:
+                    tail = "\n".join(errs[failed].read_text().splitlines()[-25:])
+                    sys.exit(f"error: worker {failed}/{n} failed (exit code {rcs[failed]}); the end of its "
+                             f"stderr:\n{tail}")
+                time.sleep(0.1)
+        finally:
+            for p in procs:                                        # only left running when one has failed
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        return merge_shards([json.loads(o.read_text())["drafters"] for o in outs])
+
+
+def write_json(path, obj):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
 
 def main(argv=None):
+    """-> what --out holds: the result dict for one drafter, {"drafters": [{"drafter": path, ...}, ...]} for several."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="local HF causal LM folder")
-    p.add_argument("--drafter", required=True, help="exported drafter folder (config.json + model.safetensors)")
+    p.add_argument("--drafter", required=True, nargs="+",
+                   help="exported drafter folder(s) (config.json + model.safetensors); several share one target load, "
+                        "warm-up and greedy reference, each gets its own report")
     p.add_argument("--prompts", required=True, help="JSONL rows with messages | prompt | input_ids, optional category")
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
+    p.add_argument("--block-size", type=int, default=None, help="default: each drafter's block_size")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     p.add_argument("--tree-budget", type=int, default=0, help="DDTree node budget; 0 = block verification only")
     p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
@@ -469,39 +593,43 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, prompts dealt round-robin; same tau/lossless as 1, but "
+                        "tokens/s are only meaningful with 1")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)     # K/N: this process is worker K of N
     p.add_argument("--out", default=None, help="write everything as JSON here")
     a = p.parse_args(argv)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from model.export import load_drafter
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
-    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = Path(a.target).expanduser()
-    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa",
-                                                 local_files_only=True).to(device)
-    drafter = load_drafter(Path(a.drafter).expanduser(), device=device, dtype=dtype).eval()
+    if a.workers < 1:
+        p.error(f"--workers must be >= 1, got {a.workers}")
     prompts = load_prompts(a.prompts, a.limit)
-    thinking = {"auto": None, "on": True, "off": False}[a.thinking]
-    print(f"target {target.name} | drafter {a.drafter} ({drafter.config.num_hidden_layers} layers, taps "
-          f"{drafter.config.target_layer_ids}) | {len(prompts)} prompts | {device} {str(dtype).replace('torch.', '')}")
-    try:
-        res = evaluate(model, tokenizer, drafter, prompts, a.block_size, a.max_new_tokens, a.tree_budget, device,
-                       tree_top_k=a.tree_top_k, enable_thinking=thinking,
-                       on_too_long="skip" if a.skip_long else "error")
-    except PromptTooLong as e:
-        sys.exit(f"error: {e}")
-    res["config"] |= {"target": str(target), "drafter": str(a.drafter), "prompts_file": str(a.prompts),
-                      "torch": torch.__version__}
+
+    if a.shard:                                                    # a worker: results of its prompts to --out
+        k, n = (int(x) for x in a.shard.split("/"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))  # n processes share the cores
+        results = run_here(a, prompts, (k, n), log=lambda s: print(f"[worker {k}/{n}] {s}", flush=True))
+        write_json(a.out, {"drafters": results})
+        return results
+    workers = max(1, min(a.workers, len(prompts)))
+    if workers > 1:
+        print(f"{workers} workers on one device, prompts dealt round-robin (worker k: prompts k, k+{workers}, ...)",
+              flush=True)                                          # before the workers write to the same stdout
+        results = run_workers(argv, workers)
+    else:
+        results = run_here(a, prompts)
+    for path, res in zip(a.drafter, results):
+        res["config"] |= {"target": str(Path(a.target).expanduser()), "drafter": str(path),
+                          "prompts_file": str(a.prompts), "torch": torch.__version__, "workers": workers}
+    out = results[0] if len(results) == 1 else {"drafters": [{"drafter": str(d)} | r
+                                                            for d, r in zip(a.drafter, results)]}
     if a.out:
-        tmp = f"{a.out}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, a.out)
+        write_json(a.out, out)
         print(f"wrote {a.out}")
-    for line in report_lines(res):
-        print(line)
-    return res
+    for path, res in zip(a.drafter, results):
+        if len(results) > 1:
+            print(f"== drafter {path}")
+        for line in report_lines(res):
+            print(line)
+    return out
 
 
 if __name__ == "__main__":

@@ -140,12 +140,18 @@ class Receiver(threading.Thread):
 
     def get(self):
         item, done = self.q.get()
-        if done is not None:  # written on the receiver's stream: order it before this stream's use and free
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(done)
-            for t in item.device_tensors():
-                t.record_stream(cur)
-        return item
+        return handoff(item, done, self.device)
+
+
+def handoff(item, done, device):
+    """An item written on a side thread's CUDA stream (event `done`), made safe for this thread's stream: order
+    its writes before our use, and keep its memory from being reused before our use ends."""
+    if done is not None:
+        cur = torch.cuda.current_stream(device)
+        cur.wait_event(done)
+        for t in item.device_tensors():
+            t.record_stream(cur)
+    return item
 
 
 # --- watchdog ---------------------------------------------------------------------------------------------------------

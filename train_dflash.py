@@ -61,6 +61,8 @@ TARGET_RANKS = 1            # the first TARGET_RANKS ranks run the target, the r
 DEVICE = "auto"             # auto | cuda | cpu
 DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
+COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (each drafter layer one graph)
+COMPILE_TARGET = False      # torch.compile each target decoder layer on target ranks (not in the one-process mode)
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
 Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
 SEND_DEPTH = 2              # feature tensors a target rank may have in flight
@@ -160,6 +162,8 @@ def check_config(world: int) -> None:
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
+    if COMPILE_DRAFTER not in ("off", "elementwise", "layers"):
+        errs.append(f"COMPILE_DRAFTER={COMPILE_DRAFTER!r}: allowed are off, elementwise, layers")
     if EVAL_DTYPE not in ("float32", "bfloat16"):
         errs.append(f"EVAL_DTYPE={EVAL_DTYPE!r}: allowed are float32, bfloat16")
     if EVAL_EVERY and not Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl").exists():
@@ -473,6 +477,39 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None):
         yield Packet(g, lens, ids[keep], mask[keep], feats)
 
 
+def colocated_feed(d, packets, prepare):
+    """One process (target and drafter on one device): the target forward and prepare run on a feeder thread and
+    its own CUDA stream, Q_HS micro-batches ahead, while the main thread trains; as a drafter rank's Receiver does,
+    so the device never idles while the CPU plans anchors and masks. Returns next_item(); a feeder error is raised
+    there, in the main thread."""
+    import torch
+    from pipe import handoff
+    q = queue.Queue(maxsize=Q_HS)
+
+    def feed():
+        try:
+            cuda = d.device.type == "cuda"
+            stream = torch.cuda.Stream(d.device) if cuda else None
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for p in packets:
+                    item = prepare(p)
+                    done = torch.cuda.Event() if cuda else None
+                    if cuda:
+                        done.record(stream)
+                    q.put((item, done))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            import traceback
+            q.put((e, traceback.format_exc()))
+    threading.Thread(target=feed, daemon=True, name="feeder").start()
+
+    def next_item():
+        item, done = q.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}\n{done}")
+        return handoff(item, done, d.device)
+    return next_item
+
+
 # --- the drafter ranks --------------------------------------------------------------------------------------------
 
 class Prepared:
@@ -772,6 +809,11 @@ def main(argv):
             from model.target import Target
             with Phase(d, f"load target {TARGET}", watchdog):
                 target = Target(TARGET, d.device, d.dtype, dcfg.target_layer_ids)
+            if COMPILE_TARGET and d.colocated:
+                log("COMPILE_TARGET is ignored in the one-process mode: its target forward runs on the feeder thread, "
+                    "where dynamo may not compile")
+            elif COMPILE_TARGET:
+                target.compile_layers()   # compiled by the first forward, on this (the main) thread
         if d.is_target and not d.colocated:
             sender = Sender(d.ctrl, d.data, SEND_DEPTH, watchdog)
             sender.start()
@@ -808,6 +850,9 @@ def main(argv):
                 random.setstate(state["rng"]["python"])
                 np.random.set_state(state["rng"]["numpy"])
             model = drafter
+            if COMPILE_DRAFTER != "off":
+                from model.drafter import compile_drafter
+                compile_drafter(drafter, COMPILE_DRAFTER)   # compiled by the first step, on this (the main) thread
             if d.n_drafters > 1:
                 from torch.nn.parallel import DistributedDataParallel as DDP
                 model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
@@ -819,8 +864,7 @@ def main(argv):
                                       dcfg.head_dim, dcfg.block_size)
         prepare = make_prepare(dcfg, d.device, d.flex)
         if d.colocated:
-            stream = (prepare(p) for p in produce(d, data, sched, target, start_g, current_stop_g, None))
-            next_item = lambda: next(stream)  # noqa: E731
+            next_item = colocated_feed(d, produce(d, data, sched, target, start_g, current_stop_g, None), prepare)
         else:
             schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
             receiver = Receiver(schedule, d.ctrl, d.data, d.device, Q_HS, watchdog, prepare)

@@ -111,9 +111,7 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
     t.lm_head_weight = model.get_output_embeddings().weight
     t.device, t.dtype = torch.device(device), t.embed_tokens.weight.dtype
     if compile_layers:
-        # per-layer wrappers: Target.features' hooks sit on the wrappers, outside the compiled code
-        for i in range(len(t.decoder.layers)):
-            t.decoder.layers[i] = torch.compile(t.decoder.layers[i])
+        t.compile_layers()
     return t
 
 
@@ -259,19 +257,38 @@ def bench_target(args, c) -> dict:
     for b in batches[warmup:]:
         forward(b)
     dt = timer.stop()
+    peak = c.peak_mem()
+    prof = profile(args.profile, lambda: forward(batches[-1]), c)
     timed = lens[warmup:]
     real, padded = sum(map(sum, timed)), sum(len(l) * max(l) for l in timed)
     flops = sum(target_flops(c.sizes, max(c.dcfg.target_layer_ids) + 1, l) for l in timed)
     out = {"build_s": build_s, "attn_implementation": target.model.config._attn_implementation,
            "compiled": bool(args.compile), "micro_batches": len(timed), "seconds": dt,
            "tok_s": real / dt, "padded_tok_s": padded / dt, "ms_per_micro_batch": 1e3 * dt / len(timed),
-           "tflops": flops / dt / 1e12, "peak_mem_bytes": c.peak_mem()}
+           "tflops": flops / dt / 1e12, "peak_mem_bytes": peak, "profile": prof}
     out.update(c.mfu(out["tflops"]))
     del target, inflight, batches
     if args.compile:
         torch._dynamo.reset()          # compiled layers keep the model alive; the drafter mode needs the memory
     c.free()
     return out
+
+
+def profile(n, fn, c, rows=30):
+    """n more calls of fn under torch.profiler -> the top kernels by device time, as printed (empty when n = 0)."""
+    if not n:
+        return ""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.device.type == "cuda" else [])
+    c.sync()
+    with torch_profile(activities=acts) as prof:
+        for _ in range(n):
+            fn()
+        c.sync()
+    key = "self_cuda_time_total" if c.device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    print(table, flush=True)
+    return table
 
 
 # --- (b) drafter capacity ---------------------------------------------------------------------------------------------
@@ -338,10 +355,12 @@ class Feeder(threading.Thread):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0):
+    def __init__(self, c, seed=0, compile_mode="off"):
         from torch.nn.utils import clip_grad_norm_
+        from model.drafter import compile_drafter
         self.c, self.clip = c, clip_grad_norm_
         self.drafter = build_drafter(c.dcfg, c.device, seed)
+        compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
         params = list(self.drafter.parameters())
         self.params = params
@@ -416,7 +435,7 @@ def bench_drafter(args, c) -> dict:
     from model.objective import pack, sample_anchors
     from pipe import Packet
     t0 = time.time()
-    rig = DrafterRig(c, args.seed)
+    rig = DrafterRig(c, args.seed, args.compile_drafter)
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
@@ -436,7 +455,7 @@ def bench_drafter(args, c) -> dict:
     feeder.start()
     try:
         t0 = time.time()
-        for _ in range(args.warmup):
+        for _ in range(args.warmup if args.compile_drafter == "off" else max(args.warmup, 3)):   # 2 shapes compile
             rig.step(feeder.get())
         warmup_s = time.time() - t0
         c.reset_peak()
@@ -452,6 +471,7 @@ def bench_drafter(args, c) -> dict:
         dt = timer.stop()
         peak = c.peak_mem()
         phases, saved = instrumented_step(rig, feeder, c)
+        prof = profile(args.profile, lambda: rig.step(feeder.get()), c)
     finally:
         feeder.stop()
     B, L = c.dcfg.block_size, c.dcfg.num_hidden_layers
@@ -472,7 +492,8 @@ def bench_drafter(args, c) -> dict:
            "supervised_rows_per_step": sum(i[5] for i in items) / steps,
            "tflops": flops["total"] / dt / 1e12, "tflop_per_step": {k: v / steps / 1e12 for k, v in flops.items()},
            "prepare_ms": 1e3 * sum(feeder.prepare_s) / max(1, len(feeder.prepare_s)),
-           "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved}
+           "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
+           "compile_drafter": args.compile_drafter, "profile": prof}
     out.update(c.mfu(out["tflops"]))
     del rig, feeder
     c.free()
@@ -704,8 +725,8 @@ def report(res, c) -> str:
             row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
                 f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est['drafter']))}, "
                 f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est['drafter'], 'bf16 copies'))}")
-        row("drafter", "flex compile s, build s, warmup s", f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, "
-                                                            f"{d['warmup_s']:.1f}")
+        row("drafter", "COMPILE_DRAFTER, flex compile s, build s, warmup s",
+            f"{d['compile_drafter']}, {d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}")
     p = res.get("pipeline")
     if p and "error" not in p and "commands" not in p:
         row("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})")
@@ -802,6 +823,10 @@ class Context:
                         ATTN="flex" if self.flex else "sdpa")
         self.peak_tflops = None
 
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def reset_peak(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -851,7 +876,11 @@ def parse_args(argv):
     ap.add_argument("--min-len", type=int, help="shortest sequence with --mixed [550; tiny 16]")
     ap.add_argument("--steps", type=int, default=5, help="timed steps (micro-batches)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer (COMPILE_TARGET)")
+    ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
+                    help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile N more steps and print the top CUDA kernels (torch.profiler)")
     ap.add_argument("--target-attn", default=None, help="HF attn_implementation of the target (default: HF's pick, "
                                                         "as Target.from_pretrained gets it)")
     ap.add_argument("--pipe-compute", action="store_true", help="pipeline: real target forward and drafter step")

@@ -142,11 +142,42 @@ def rope_cos_sin(positions, cfg: DrafterConfig):
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x, cos, sin):
+def _apply_rope(x, cos, sin):
     """x [P, heads, D]; cos, sin [P, D]."""
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _rms_norm(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)   # statistics in fp32, like HF
+    return weight * x.to(dtype)
+
+
+# The elementwise functions every layer calls; compile_drafter(..., "elementwise") swaps in fused versions.
+apply_rope, rms_norm = _apply_rope, _rms_norm
+COMPILE_MODES = ("off", "elementwise", "layers")
+
+
+def compile_drafter(drafter, mode: str) -> None:
+    """GPU speed, same math: "elementwise" fuses RMSNorm and RoPE (eager they are ~10 kernels each, with fp32
+    round trips under autocast) into one Triton kernel per call, forward and backward, for every drafter in the
+    process; "layers" compiles each decoder layer whole (norms, RoPE, concatenations and flex_attention in one
+    graph). Shapes are dynamic (the context length changes every micro-batch). Call it on the main thread, before
+    any worker thread runs the drafter. "off" undoes both."""
+    global apply_rope, rms_norm
+    assert mode in COMPILE_MODES, f"compile mode {mode!r} is not one of {COMPILE_MODES}"
+    apply_rope, rms_norm = _apply_rope, _rms_norm       # "off" restores eager everywhere
+    for layer in drafter.layers:
+        layer._compiled_call_impl = None                # what nn.Module.compile sets
+    if mode == "elementwise":
+        apply_rope = torch.compile(_apply_rope, dynamic=True)
+        rms_norm = torch.compile(_rms_norm, dynamic=True)
+    elif mode == "layers":
+        for layer in drafter.layers:
+            layer.compile(dynamic=True)
 
 
 # ---------------------------------------------------------------------------
@@ -159,10 +190,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)   # statistics in fp32, like HF
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):

@@ -35,6 +35,13 @@ class Target:
         self.lm_head_weight: torch.Tensor = self.model.get_output_embeddings().weight   # [V, H], may be tied
         self.device, self.dtype = torch.device(device), self.embed_tokens.weight.dtype
 
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer (fuses the norms, RoPE, SiLU and residual adds between the matmuls).
+        Per-layer wrappers, so features()' hooks sit outside the compiled code; a second sequence length makes
+        the graphs dynamic (torch.compile's automatic dynamic shapes), so mixed lengths compile twice, not per batch."""
+        for i in range(len(self.decoder.layers)):
+            self.decoder.layers[i] = torch.compile(self.decoder.layers[i])
+
     @torch.no_grad()   # not inference_mode: the drafter's autograd graph must be allowed to read the features
     def features(self, input_ids, attention_mask=None, layer_ids=None):
         """input_ids, attention_mask [b, S] (right padding) -> [b, S, K*H]."""

@@ -111,6 +111,19 @@ def test_resume_with_another_split_continues_at_the_same_micro_batch(assets, tmp
     assert seen and seen[0] == 4, f"resumed run must start at micro-batch 4, got {seen[:3]}"
 
 
+def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path):
+    """The single-process mode (its target forward and prepare on a feeder thread) and a 1 + 1 job see the same
+    micro-batches and take the same steps."""
+    target, data = assets
+    args = dict(EPOCHS=2, LR=5e-3, LOG_EVERY=1)
+    ok(run(2, base_args(target, data, tmp_path / "pair", **args)))
+    ok(run(1, base_args(target, data, tmp_path / "solo", **args)))
+    pair, solo = losses(tmp_path / "pair"), losses(tmp_path / "solo")
+    assert len(pair) >= 4 and sorted(solo) == sorted(pair)
+    for s in pair:   # the ranks split the CPU threads differently: reductions may round differently
+        assert solo[s] == pytest.approx(pair[s], rel=1e-5), f"step {s}: {solo[s]} != {pair[s]}"
+
+
 def test_resume_scratch_refuses_existing_checkpoints(assets, tmp_path):
     target, data = assets
     out = tmp_path / "out"
