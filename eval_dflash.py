@@ -212,6 +212,35 @@ class DrafterProposer:
         return self.lm_head(h[1:].to(self.lm_head.weight.dtype))                              # [B-1, V]
 
 
+@torch.no_grad()
+def teacher_forced_streak(model, proposer, prompt_ids, completion, block_size) -> float | None:
+    """The training-time streak on the served tokens: the drafter's training forward (Drafter.forward, dense mask)
+    reads the target's features of prompt + greedy `completion`, every generated position is an anchor, and the
+    streak of an anchor is the correct prefix of its slots 1..B-1 (cut at the end of the completion). Decoding
+    commits 1 + this per step on average when inference matches training (the anchors it visits are a subset, so
+    the two agree closely, not exactly). tau - 1 far below it means the served path differs from the trained one;
+    this far below the training log's streak means the drafter does not generalise to these prompts."""
+    from transformers import DynamicCache
+    d = proposer.drafter
+    P, L, B = len(prompt_ids), len(prompt_ids) + len(completion), block_size
+    if len(completion) < 2:
+        return None
+    dev = model.device
+    ids = torch.tensor(list(prompt_ids) + list(completion), device=dev)                     # [L]
+    pos = torch.arange(L, device=dev)
+    _, feats = target_forward(model, ids, pos, DynamicCache(), proposer.layer_ids)         # [L, K*H]
+    anchors = torch.arange(P, L - 1, device=dev)                                          # [N]
+    k = torch.arange(B, device=dev)
+    idx = anchors[:, None] + k[None, :]                                                   # [N, B]
+    block = torch.where(k[None, :] == 0, ids[anchors][:, None], proposer.mask_id)         # [N, B]
+    zeros = torch.zeros(L, dtype=torch.long, device=dev)
+    attn = d.attn_spec(anchors, zeros[: len(anchors)], zeros)
+    h = d(feats.to(proposer.dtype), pos, proposer.embed(block.flatten()).to(proposer.dtype), idx.flatten(), attn)
+    pred = proposer.lm_head(h.view(len(anchors), B, -1)[:, 1:].to(proposer.lm_head.weight.dtype)).argmax(-1)
+    ok = (pred == ids[idx[:, 1:].clamp(max=L - 1)]) & (idx[:, 1:] < L)                   # [N, B-1]
+    return float(torch.cumprod(ok.int(), dim=1).sum(1).float().mean())
+
+
 # ---------------------------------------------------------------------------
 # Verification: a block (chain) or a DDTree
 
@@ -428,6 +457,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
                     if tokenizer is not None:
                         r["text"] = tokenizer.decode(got["tokens"])
             r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+            if isinstance(proposer, DrafterProposer):
+                r["tf_streak"] = teacher_forced_streak(model, proposer, ids, want, bs)
             per_prompt.append(r)
             tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
             bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
@@ -453,6 +484,7 @@ def summarize(per_prompt, skipped, config) -> dict:
         "lossless": all(r["lossless"] for r in per_prompt),
         "prompts": len(per_prompt),
         "tau_by_category": _by_category(per_prompt, "tau"),
+        "tf_streak": _mean([r["tf_streak"] for r in per_prompt if r.get("tf_streak") is not None]),
         "accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["steps"]).items())),
         "tokens_per_s": tok_s,
         "speedup": tok_s["dflash"] / tok_s["greedy"],
@@ -493,6 +525,9 @@ def report_lines(res) -> list[str]:
     total = max(1, sum(res["accept_hist"].values()))
     hist = "  ".join(f"{k}:{v / total:.1%}" for k, v in res["accept_hist"].items())
     lines.append(f"committed tokens per step: {hist}")
+    if res.get("tf_streak") is not None:
+        lines.append(f"teacher-forced streak on the same tokens {_fmt(res['tf_streak'])}: decoding should commit "
+                     f"about 1 + that = {_fmt(1 + res['tf_streak'])} per step (tau {_fmt(res['tau'])})")
     s, workers = res["tokens_per_s"], res["config"].get("workers", 1)
     shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
         if workers > 1 else ""

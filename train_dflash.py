@@ -1010,9 +1010,14 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         drafter.train()
         last_eval.update(tau=res["tau"], lossless=res["lossless"])
         metrics.write({"time": time.time(), "step": step_now, "tau": res["tau"], "lossless": res["lossless"],
-                       "tau_by_category": res.get("tau_by_category"), "eval_s": time.time() - t})
+                       "tau_by_category": res.get("tau_by_category"), "tf_streak": res.get("tf_streak"),
+                       "eval_s": time.time() - t})
+        # tf_streak: the training streak measured on these prompts' greedy outputs. tau ~ 1 + tf_streak when serving
+        # matches training; tf_streak far below the status line's streak = the drafter does not generalise to them
+        tf = res.get("tf_streak")
         log(f"eval step {step_now}: tau={res['tau']:.2f} lossless={'yes' if res['lossless'] else 'no'} "
-            f"prompts={len(evaluator['prompts'])} ({time.time() - t:.0f}s)")
+            f"prompts={len(evaluator['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
+            f"({time.time() - t:.0f}s)")
 
     last_eval = {}
 

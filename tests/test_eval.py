@@ -282,3 +282,34 @@ def test_cli_failing_worker_fails_the_run(cli_folder, tiny_qwen3_dir):
     with pytest.raises(SystemExit) as e:
         main(cli(tiny_qwen3_dir, cli_folder, "--workers", "2", drafters=("d0", "nope")))
     assert "failed" in str(e.value) and str(cli_folder / "nope") in str(e.value), e.value
+
+
+def test_teacher_forced_streak_equals_the_decode_path(target, build_drafter, tiny_qwen3_dir):
+    """teacher_forced_streak (training forward over the whole sequence) equals the streak the cached decode path
+    gets at every anchor. The completion is built from the drafter's own slot-1 choice, so every anchor's slot 1
+    is right by construction: the value must be >= 1, and any off-by-one between the paths breaks that."""
+    from eval_dflash import DrafterProposer, target_forward, teacher_forced_streak
+    from transformers import DynamicCache
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B).eval()
+    prop = DrafterProposer(d, target)
+    prompt = prompts()[1]["input_ids"]
+
+    def proposals(tokens):                                   # decode path, anchor = tokens[-1]
+        p = len(tokens) - 1
+        with torch.no_grad():
+            _, feats = target_forward(target, torch.tensor(tokens[:p]), torch.arange(p), DynamicCache(),
+                                      prop.layer_ids)
+            prop.reset(tokens[:p], feats)
+            return prop.propose(tokens, p, B).argmax(-1).tolist()      # slots 1..B-1
+    seq = list(prompt) + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
+    for _ in range(12):
+        seq.append(proposals(seq)[0])
+    streaks = []
+    for p in range(len(prompt), len(seq) - 1):
+        got, n = proposals(seq[:p + 1]), 0
+        while n < B - 1 and p + 1 + n < len(seq) and got[n] == seq[p + 1 + n]:
+            n += 1
+        streaks.append(n)
+    assert min(streaks) >= 1
+    tf = teacher_forced_streak(target, prop, prompt, seq[len(prompt):], B)
+    assert tf == pytest.approx(sum(streaks) / len(streaks), abs=1e-9), (tf, streaks)

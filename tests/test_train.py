@@ -208,6 +208,8 @@ def test_eval_during_training_logs_tau(tmp_path):
     evals = [m for m in metrics(tmp_path / "out") if "tau" in m]
     assert [m["step"] for m in evals] == [2, 4]
     assert all(m["lossless"] and 1.0 <= m["tau"] <= 4 for m in evals), evals
+    assert all(0.0 <= m["tf_streak"] <= 3 for m in evals), evals          # B-1 = 3 slots at most
+    assert "held-out streak=" in r.stdout
     assert "eval step 4: tau=" in r.stdout and " tau=" in r.stdout.split("eval step 2")[1]
 
 
