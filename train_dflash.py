@@ -439,8 +439,9 @@ def target_features(target, ids, attn, device):
     return feats.flatten(0, 1).index_select(0, keep.to(device, non_blocking=True))  # [T, K*H]
 
 
-def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None):
-    """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre)."""
+def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None, stats=None):
+    """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre). stats: a dict that gets
+    the q_pre depth when there is no watchdog (the one-process mode's status line)."""
     from pipe import Packet
     q_pre = queue.Queue(maxsize=Q_PREFETCH)
     mine = range(start_g + (d.rank - start_g) % d.n_targets if not d.colocated else start_g, sched.total_g,
@@ -469,6 +470,8 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None):
         if watchdog:
             watchdog.state = f"target forward g={g}"
             watchdog.stats["q"] = q_pre.qsize()
+        if stats is not None:
+            stats["q"] = q_pre.qsize()
         keep = attn.bool()
         t0 = clock.start() if clock else None
         feats = target_features(target, ids, attn, d.device)
@@ -507,6 +510,7 @@ def colocated_feed(d, packets, prepare):
         if isinstance(item, BaseException):
             raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}\n{done}")
         return handoff(item, done, d.device)
+    next_item.depth = q.qsize                           # the status line's q_hs in this mode
     return next_item
 
 
@@ -524,8 +528,11 @@ class Prepared:
         for m in (self.attn.full, self.attn.sliding):
             if isinstance(m, torch.Tensor):
                 ts.append(m)
-            elif m is not None:   # a flex BlockMask: its index tensors were written on the receiver's stream too
+            elif m is not None:   # a flex BlockMask: its index tensors and its mask_mod's captured tensors were
+                #                   written on the receiver's stream too
                 ts += [t for t in m.as_tuple() if isinstance(t, torch.Tensor)]
+                ts += [c.cell_contents for c in (m.mask_mod.__closure__ or ())
+                       if isinstance(c.cell_contents, torch.Tensor)]
         return ts
 
 
@@ -544,8 +551,8 @@ def make_prepare(cfg, device, flex):
         rows = (w > 0).nonzero().squeeze(1)                                                     # supervised slots
         from model.attention import make_attn_spec
         to = dict(device=device, non_blocking=True)
-        attn = make_attn_spec(blk.anchor_idx.to(**to), blk.anchor_doc.to(**to), doc_ids.to(**to), cfg.block_size,
-                              cfg.layer_types, cfg.sliding_window, flex)
+        attn = make_attn_spec(blk.anchor_idx, blk.anchor_doc, doc_ids, cfg.block_size, cfg.layer_types,
+                              cfg.sliding_window, flex, device)          # a BlockMask is planned on the CPU
         return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features,
                         lengths=p.lengths, input_ids=p.input_ids,
                         ctx_pos=positions.to(**to), block_ids=blk.ids.flatten().to(**to),
@@ -864,7 +871,10 @@ def main(argv):
                                       dcfg.head_dim, dcfg.block_size)
         prepare = make_prepare(dcfg, d.device, d.flex)
         if d.colocated:
-            next_item = colocated_feed(d, produce(d, data, sched, target, start_g, current_stop_g, None), prepare)
+            pre = {}
+            next_item = colocated_feed(d, produce(d, data, sched, target, start_g, current_stop_g, None, stats=pre),
+                                       prepare)
+            next_item.q_pre = pre
         else:
             schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
             receiver = Receiver(schedule, d.ctrl, d.data, d.device, Q_HS, watchdog, prepare)
@@ -1116,8 +1126,10 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 dt = max(1e-9, now - t_log)
                 peers = watchdog.peer_states() if watchdog else {}
                 tgt_n = sum((peers.get(r) or {}).get("n", 0) for r in range(d.n_targets))
-                q_pre = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets)]
-                q_hs = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets, d.world)]
+                q_pre = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets)] if not d.colocated \
+                    else [next_item.q_pre.get("q", 0)]
+                q_hs = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets, d.world)] if not d.colocated \
+                    else [next_item.depth()]
                 tgt_rate = (tgt_n - tgt_n_prev) / dt if not d.colocated else mb_since / dt
                 tgt_n_prev = tgt_n
                 dft_rate = mb_since * d.n_drafters / dt

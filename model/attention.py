@@ -66,17 +66,86 @@ def dense_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     return mod(zero, zero, q, kv)                                 # [M, T+M]
 
 
-def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
-               q_pad_to=None) -> BlockMask:
-    """flex_attention BlockMask of the same mask_mod. Q_LEN is padded to a multiple of `q_pad_to` (default: 128 on
-    GPU, none on CPU) so few distinct shapes reach the compiled kernel; the drafter pads its queries to match."""
+def block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
+                         q_pad_to=None) -> BlockMask:
+    """The BlockMask flex's own create_block_mask makes from the mask_mod: it evaluates every (q, kv) pair (vmap,
+    eager), ~100 ms of GPU and Python time per micro-batch at 512 anchors x 4 x 3072 tokens. The reference for
+    block_mask below."""
     T, M = ctx_doc.shape[0], anchor_pos.shape[0] * block_size
-    if q_pad_to is None:
-        q_pad_to = FLEX_BLOCK if ctx_doc.device.type == "cuda" else 1
-    q_len = -(-M // q_pad_to) * q_pad_to
+    q_len = _q_len(M, q_pad_to, ctx_doc.device)
     mod = dflash_mask_mod(**_mask_args(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window))
-    # built eagerly (vmap, no dynamo), so worker threads may call it while the main thread's compile cache is warm
     return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=T + M, device=ctx_doc.device)
+
+
+def _q_len(M, q_pad_to, device):
+    if q_pad_to is None:
+        q_pad_to = FLEX_BLOCK if torch.device(device).type == "cuda" else 1
+    return -(-M // q_pad_to) * q_pad_to
+
+
+def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
+               q_pad_to=None, device=None) -> BlockMask:
+    """flex_attention BlockMask of the same mask_mod, its tile structure computed from intervals instead of pairs.
+    Q_LEN is padded to a multiple of `q_pad_to` (default: 128 when the mask is for a GPU, none on CPU) so few
+    distinct shapes reach the compiled kernel; the drafter pads its queries to match. Inputs may live on the CPU
+    (the trainer plans there) and the mask is moved to `device` (default: the inputs' device).
+
+    Every query row sees at most two key intervals: context [start of its document, anchor) (cut by the window for
+    sliding layers) and a slice of its own block. So a [128 x 128] tile is partial when some row's intervals meet it
+    and full when every row's cover it, which is what create_block_mask finds by evaluating all pairs
+    (block_mask_reference; tests compare them exactly). Needs each document's context rows to be contiguous (packed
+    or padded layouts); otherwise falls back to the reference."""
+    device = torch.device(device) if device is not None else ctx_doc.device
+    T, B, N = ctx_doc.shape[0], block_size, anchor_pos.shape[0]
+    M = N * B
+    q_len = _q_len(M, q_pad_to, device)
+    cpu = torch.device("cpu")
+    ap, ad, cd = anchor_pos.to(cpu), anchor_doc.to(cpu), ctx_doc.to(cpu)
+    runs = cd[torch.cat([torch.tensor([True]), cd[1:] != cd[:-1]])]                    # one entry per run of a doc
+    runs = runs[runs >= 0]                                                               # padding (-1) may repeat
+    if runs.numel() != torch.unique(runs).numel() or N == 0:
+        return block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
+                                    q_pad_to).to(device)
+    TILE = FLEX_BLOCK
+    q_tiles, kv_len = -(-q_len // TILE), T + M
+    kv_tiles = -(-kv_len // TILE)
+    # per query row (create_block_mask pads rows past Q_LEN with "nothing visible"; rows in [M, q_len) are flex's
+    # padding, for which the mask_mod clamps to the last block: reproduce both)
+    q = torch.arange(q_tiles * TILE)
+    n = torch.clamp(q // B, max=N - 1)
+    kq = q - n * B
+    a, d = ap[n], ad[n]
+    first = torch.full((int(cd.max()) + 2,), T, dtype=torch.long)                       # first context row of a doc
+    valid = cd >= 0
+    first.scatter_reduce_(0, cd[valid], torch.arange(T)[valid], reduce="amin")
+    c0, c1 = first[d.clamp(min=0)], a.clone()                                            # context [c0, c1)
+    lo, hi = torch.zeros_like(q), torch.full_like(q, B)                                  # slots [lo, hi) of the block
+    if causal_block:
+        hi = torch.clamp(kq + 1, max=B)
+    if sliding_window is not None:
+        c0 = torch.maximum(c0, a + kq - sliding_window + 1)
+        lo = torch.clamp(kq - sliding_window + 1, min=0)
+    b0, b1 = T + n * B + lo, T + n * B + torch.maximum(hi, lo)
+    dead = q >= q_len
+    c1, b1 = torch.where(dead, c0, c1), torch.where(dead, b0, b1)
+    c1 = torch.maximum(c1, c0)
+    s = torch.arange(kv_tiles) * TILE                                                    # tile [s, s + TILE)
+    e = torch.clamp(s + TILE, max=kv_len)
+
+    def overlap(x0, x1):                                                                 # [rows, kv_tiles]
+        return (torch.minimum(x1[:, None], e[None]) - torch.maximum(x0[:, None], s[None])).clamp(min=0)
+    seen = (overlap(c0, c1) + overlap(b0, b1)).view(q_tiles, TILE, kv_tiles)
+    full = (seen == TILE).all(1)                                                         # [q_tiles, kv_tiles]
+    partial = (seen > 0).any(1) & ~full
+
+    def ordered(blocks):   # -> num [1, 1, q_tiles], indices [1, 1, q_tiles, kv_tiles] (listed blocks first)
+        num = blocks.sum(-1, dtype=torch.int32)
+        idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num[None, None], idx[None, None]
+    mod = dflash_mask_mod(**_mask_args(anchor_pos.to(device), anchor_doc.to(device), ctx_doc.to(device), block_size,
+                                       causal_block, sliding_window))
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mod,
+                                    seq_lengths=(q_len, kv_len)).to(device)
 
 
 # ---------------------------------------------------------------------------
@@ -103,8 +172,15 @@ class AttnSpec:
 
 
 def make_attn_spec(anchor_pos, anchor_doc, ctx_doc, block_size, layer_types, sliding_window=None,
-                   flex=False) -> AttnSpec:
-    build = block_mask if flex else dense_mask
+                   flex=False, device=None) -> AttnSpec:
+    """device: where the masks are used (default: the inputs'). A BlockMask is planned on the inputs' device (the
+    trainer passes CPU tensors) and moved; a dense mask is built where it is used."""
+    if flex:
+        build = functools.partial(block_mask, device=device)
+    else:
+        to = device if device is not None else ctx_doc.device
+        anchor_pos, anchor_doc, ctx_doc = anchor_pos.to(to), anchor_doc.to(to), ctx_doc.to(to)
+        build = dense_mask
     full = build(anchor_pos, anchor_doc, ctx_doc, block_size)
     sliding = None
     if "sliding_attention" in layer_types:

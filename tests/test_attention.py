@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from model.attention import block_mask, dense_mask, dflash_mask_mod
 from model.objective import pack
@@ -105,3 +106,53 @@ def test_flex_equals_sdpa_dense():
             want = F.scaled_dot_product_attention(q, k, v, attn_mask=dm, enable_gqa=True)
             got = flex_attention(qp, k, v, block_mask=bm, enable_gqa=True)[:, :, :M]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_mask_equals_create_block_mask(seed):
+    """The interval-built BlockMask has exactly the partial and full tiles create_block_mask finds by evaluating
+    every pair: packed and padded layouts, bidirectional and sliding layers, flex's 128-row padding and none."""
+    from model.attention import block_mask_reference
+    g = torch.Generator().manual_seed(seed)
+    B = [4, 8, 16][seed % 3]
+    lengths = torch.randint(20, 400, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)
+    doc, pos = pack(lengths)
+    if seed % 2:                                                    # padded layout: -1 rows between documents
+        doc = torch.cat([torch.cat([doc[doc == i], torch.full((7,), -1)]) for i in range(len(lengths))])
+    valid = torch.nonzero(doc >= 0).squeeze(1)
+    n = min(len(valid), int(torch.randint(1, 90, (1,), generator=g)))
+    anchors = torch.sort(valid[torch.randperm(len(valid), generator=g)[:n]]).values
+    for causal_block, window in [(False, None), (True, 37), (False, 200)]:
+        for pad in (1, 128):
+            args = (anchors, doc[anchors], doc, B, causal_block, window)
+            want, got = block_mask_reference(*args, q_pad_to=pad), block_mask(*args, q_pad_to=pad)
+            assert got.seq_lengths == want.seq_lengths
+            for w, x in [(want.to_dense(), got.to_dense()),
+                         (*[BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
+                            for m in (want, got)],)]:
+                assert torch.equal(x, w), (causal_block, window, pad)
+
+
+def test_block_mask_falls_back_when_documents_interleave():
+    from model.attention import block_mask_reference
+    doc = torch.tensor([0] * 20 + [1] * 20 + [0] * 20)            # document 0 in two pieces
+    anchors = torch.tensor([5, 25, 45])
+    got, want = block_mask(anchors, doc[anchors], doc, 4), block_mask_reference(anchors, doc[anchors], doc, 4)
+    assert torch.equal(got.to_dense(), want.to_dense())
+
+
+def test_block_mask_tile_boundaries():
+    """Anchors right at a tile edge: the first q tile's smallest anchor is 255, so context tile [128, 256) misses
+    exactly its last column for that row (strict <): partial, not full; likewise a window start one column inside a
+    tile. Off-by-one intervals flip them."""
+    from model.attention import block_mask_reference
+    doc = torch.zeros(600, dtype=torch.long)
+    for anchors in (torch.arange(255, 271), torch.arange(256, 272), torch.arange(383, 399)):
+        for B in (16, 4):
+            # window 150 with anchors 256..: the first q tile's latest window start is 256+7+15-150+1 = 129
+            for causal_block, window in [(False, None), (True, 130), (True, 150), (False, 150)]:
+                args = (anchors, doc[anchors], doc, B, causal_block, window)
+                want, got = block_mask_reference(*args, q_pad_to=128), block_mask(*args, q_pad_to=128)
+                for m in (want, got):
+                    m.full = BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
+                assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.full, want.full)

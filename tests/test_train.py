@@ -122,6 +122,9 @@ def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path):
     assert len(pair) >= 4 and sorted(solo) == sorted(pair)
     for s in pair:   # the ranks split the CPU threads differently: reductions may round differently
         assert solo[s] == pytest.approx(pair[s], rel=1e-5), f"step {s}: {solo[s]} != {pair[s]}"
+    rows = metrics(tmp_path / "solo")                                    # the feeder's queues in the status line
+    assert all(len(r["q_hs"]) == 1 and 0 <= r["q_hs"][0] <= 8 and len(r["q_pre"]) == 1 for r in rows)
+    assert any(r["q_hs"][0] > 0 or r["q_pre"][0] > 0 for r in rows), rows
 
 
 def test_resume_scratch_refuses_existing_checkpoints(assets, tmp_path):
