@@ -162,8 +162,9 @@ def check_config(world: int) -> None:
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
-    if COMPILE_DRAFTER not in ("off", "elementwise", "layers"):
-        errs.append(f"COMPILE_DRAFTER={COMPILE_DRAFTER!r}: allowed are off, elementwise, layers")
+    from model.drafter import COMPILE_MODES
+    if COMPILE_DRAFTER not in COMPILE_MODES:
+        errs.append(f"COMPILE_DRAFTER={COMPILE_DRAFTER!r}: allowed are {', '.join(COMPILE_MODES)}")
     if EVAL_DTYPE not in ("float32", "bfloat16"):
         errs.append(f"EVAL_DTYPE={EVAL_DTYPE!r}: allowed are float32, bfloat16")
     if EVAL_EVERY and not Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl").exists():
@@ -440,8 +441,9 @@ def target_features(target, ids, attn, device):
 
 
 def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None, stats=None):
-    """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre). stats: a dict that gets
-    the q_pre depth when there is no watchdog (the one-process mode's status line)."""
+    """Yields Packets of this target rank's micro-batches from a prefetch thread (q_pre). Its depth goes to
+    stats["q"]: the watchdog's (published to the master), or the given dict in the one-process mode."""
+    stats = watchdog.stats if watchdog else stats
     from pipe import Packet
     q_pre = queue.Queue(maxsize=Q_PREFETCH)
     mine = range(start_g + (d.rank - start_g) % d.n_targets if not d.colocated else start_g, sched.total_g,
@@ -469,7 +471,6 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None, stats
             return
         if watchdog:
             watchdog.state = f"target forward g={g}"
-            watchdog.stats["q"] = q_pre.qsize()
         if stats is not None:
             stats["q"] = q_pre.qsize()
         keep = attn.bool()
@@ -480,14 +481,15 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None, stats
         yield Packet(g, lens, ids[keep], mask[keep], feats)
 
 
-def colocated_feed(d, packets, prepare):
+def colocated_feed(d, data, sched, target, start_g, stop_g, prepare):
     """One process (target and drafter on one device): the target forward and prepare run on a feeder thread and
     its own CUDA stream, Q_HS micro-batches ahead, while the main thread trains; as a drafter rank's Receiver does,
-    so the device never idles while the CPU plans anchors and masks. Returns next_item(); a feeder error is raised
-    there, in the main thread."""
+    so the device never idles while the CPU plans anchors and masks. Returns next_item(), which raises a feeder
+    error in the main thread; next_item.queues() -> ([q_pre depth], [q_hs depth]) for the status line."""
     import torch
     from pipe import handoff
-    q = queue.Queue(maxsize=Q_HS)
+    q, pre = queue.Queue(maxsize=Q_HS), {}
+    packets = produce(d, data, sched, target, start_g, stop_g, None, stats=pre)
 
     def feed():
         try:
@@ -496,10 +498,7 @@ def colocated_feed(d, packets, prepare):
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 for p in packets:
                     item = prepare(p)
-                    done = torch.cuda.Event() if cuda else None
-                    if cuda:
-                        done.record(stream)
-                    q.put((item, done))
+                    q.put((item, stream.record_event() if cuda else None))
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             import traceback
             q.put((e, traceback.format_exc()))
@@ -510,7 +509,7 @@ def colocated_feed(d, packets, prepare):
         if isinstance(item, BaseException):
             raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}\n{done}")
         return handoff(item, done, d.device)
-    next_item.depth = q.qsize                           # the status line's q_hs in this mode
+    next_item.queues = lambda: ([pre.get("q", 0)], [q.qsize()])
     return next_item
 
 
@@ -871,10 +870,7 @@ def main(argv):
                                       dcfg.head_dim, dcfg.block_size)
         prepare = make_prepare(dcfg, d.device, d.flex)
         if d.colocated:
-            pre = {}
-            next_item = colocated_feed(d, produce(d, data, sched, target, start_g, current_stop_g, None, stats=pre),
-                                       prepare)
-            next_item.q_pre = pre
+            next_item = colocated_feed(d, data, sched, target, start_g, current_stop_g, prepare)
         else:
             schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
             receiver = Receiver(schedule, d.ctrl, d.data, d.device, Q_HS, watchdog, prepare)
@@ -1126,10 +1122,9 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 dt = max(1e-9, now - t_log)
                 peers = watchdog.peer_states() if watchdog else {}
                 tgt_n = sum((peers.get(r) or {}).get("n", 0) for r in range(d.n_targets))
-                q_pre = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets)] if not d.colocated \
-                    else [next_item.q_pre.get("q", 0)]
-                q_hs = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets, d.world)] if not d.colocated \
-                    else [next_item.depth()]
+                q_pre, q_hs = next_item.queues() if d.colocated else \
+                    ([(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets)],
+                     [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets, d.world)])
                 tgt_rate = (tgt_n - tgt_n_prev) / dt if not d.colocated else mb_since / dt
                 tgt_n_prev = tgt_n
                 dft_rate = mb_since * d.n_drafters / dt

@@ -313,3 +313,18 @@ def test_teacher_forced_streak_equals_the_decode_path(target, build_drafter, tin
     assert min(streaks) >= 1
     tf = teacher_forced_streak(target, prop, prompt, seq[len(prompt):], B)
     assert tf == pytest.approx(sum(streaks) / len(streaks), abs=1e-9), (tf, streaks)
+
+
+def test_train_streak_tool(tmp_path, capsys):
+    """tools.train_streak scores dataset rows with teacher_forced_streak: a value in [0, B-1] for every kept row."""
+    import runs
+    from model.drafter import Drafter, DrafterConfig
+    from transformers import AutoConfig
+    from tools.train_streak import main as train_streak
+    tgt, data = runs.make_target(tmp_path / "t"), runs.make_dataset(tmp_path / "d", n=6)
+    hf = AutoConfig.from_pretrained(tgt, local_files_only=True)
+    torch.manual_seed(0)
+    export_drafter(Drafter(DrafterConfig.from_target(hf, 1, B, mask_token_id=runs.MASK_ID)), tmp_path / "drafter")
+    train_streak(["--target", str(tgt), "--drafter", str(tmp_path / "drafter"), "--data", str(data), "--rows", "6"])
+    m = re.search(r"teacher-forced streak on (\d+) rows .*: ([0-9.]+)$", capsys.readouterr().out.strip())
+    assert m and int(m.group(1)) == 6 and 0.0 <= float(m.group(2)) <= B - 1, m

@@ -229,6 +229,12 @@ def test_kill9_of_target_names_it_while_drafters_wait_on_it(assets, faults, tmp_
     assert aborts and all(DEAD.format(who="rank 0 (target)") in l for l in aborts), aborts
 
 
+def wait_mid_save(job, ck):
+    """Until the writer sleeps inside the step-4 save with state.pt half on disk (SLOW_SAVE armed for rank 1)."""
+    job.wait_for("FAULT: slow save")
+    assert (ck / ".tmp-step_000004" / "state.pt").is_file(), (sorted(map(str, ck.rglob("*"))), job.text[-3000:])
+
+
 @pytest.mark.slow
 def test_sigkill_of_writer_mid_save_resumes_from_previous(assets, reference, faults, tmp_path):
     """kill -9 of the checkpoint writer while state.pt is half on disk: the .tmp- folder is never a checkpoint."""
@@ -237,8 +243,7 @@ def test_sigkill_of_writer_mid_save_resumes_from_previous(assets, reference, fau
     faults(RANK=1, SLOW_SAVE="2:60")
     job = Job(args(assets, out))
     try:
-        job.wait_for("FAULT: slow save")
-        assert (ck / ".tmp-step_000004" / "state.pt").is_file(), (sorted(map(str, ck.rglob("*"))), job.text[-3000:])
+        wait_mid_save(job, ck)
         os.kill(job.pids[1], signal.SIGKILL)
         code, _ = job.finish(60)
     finally:
@@ -263,8 +268,7 @@ def test_sigterm_during_checkpoint_write(assets, faults, tmp_path):
     faults(RANK=1, SLOW_SAVE="2:3")
     job = Job(args(assets, out))
     try:
-        job.wait_for("FAULT: slow save")
-        assert (ck / ".tmp-step_000004" / "state.pt").is_file(), (sorted(map(str, ck.rglob("*"))), job.text[-3000:])
+        wait_mid_save(job, ck)
         assert steps_of(out) == [2] and ckpt.latest_complete(ck, quiet=True) == ck / "step_000002"
         os.killpg(job.proc.pid, signal.SIGTERM)   # the agent forwards it to every rank, as on preemption
         code, waited = job.finish(60)
