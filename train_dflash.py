@@ -63,6 +63,7 @@ DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
 COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (each drafter layer one graph)
 COMPILE_TARGET = False      # torch.compile each target decoder layer on target ranks (not in the one-process mode)
+FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
 Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
 SEND_DEPTH = 2              # feature tensors a target rank may have in flight
@@ -162,6 +163,13 @@ def check_config(world: int) -> None:
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
+    if FLEX_OPTIONS:
+        try:
+            if not isinstance(json.loads(FLEX_OPTIONS), dict):
+                raise ValueError
+        except ValueError:
+            errs.append(f"FLEX_OPTIONS={FLEX_OPTIONS!r} is not a JSON object of flex_attention kernel_options "
+                        f"(e.g. '{{\"USE_TMA\": true}}'; \"\" for torch's defaults)")
     from model.drafter import COMPILE_MODES
     if COMPILE_DRAFTER not in COMPILE_MODES:
         errs.append(f"COMPILE_DRAFTER={COMPILE_DRAFTER!r}: allowed are {', '.join(COMPILE_MODES)}")
@@ -864,7 +872,8 @@ def main(argv):
                 model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                             process_group=d.drafters)
         if d.flex:
-            from model.attention import warmup_flex_attention
+            from model.attention import set_flex_kernel_options, warmup_flex_attention
+            set_flex_kernel_options(json.loads(FLEX_OPTIONS) if FLEX_OPTIONS else None)
             with Phase(d, "compile flex_attention (main thread, before worker threads)", watchdog):
                 warmup_flex_attention(d.device, d.dtype, dcfg.num_attention_heads, dcfg.num_key_value_heads,
                                       dcfg.head_dim, dcfg.block_size)

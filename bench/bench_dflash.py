@@ -500,6 +500,93 @@ def bench_drafter(args, c) -> dict:
     return out
 
 
+# --- (b') flex_attention kernel options at the drafter's mask ------------------------------------------------------
+
+FLEX_CANDIDATES = {   # name -> kernel_options (None: torch's defaults for this GPU, head_dim and dtype)
+    "default": None,
+    "USE_TMA": {"USE_TMA": True},
+    "USE_TMA + ROWS_GUARANTEED_SAFE": {"USE_TMA": True, "ROWS_GUARANTEED_SAFE": True},
+    "fwd 128x128 w8 s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2},
+    "bwd 64/64 w4 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                        "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "bwd 64/128 w8 s2": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                         "bwd_num_warps": 8, "bwd_num_stages": 2},
+}
+
+
+def bench_flex(args, c) -> dict:
+    """One drafter layer's flex_attention, forward and forward + backward, on the real mask of a bench micro-batch
+    (the trainer's prepare), for each kernel_options candidate (--flex-options: only that one, against the
+    default). Each candidate compiles its own kernels (~10-30 s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if not c.flex:
+        raise SystemExit("--mode flex needs a GPU: flex_attention has no backward on the CPU")
+    cands = dict(FLEX_CANDIDATES) if not args.flex_options else \
+        {"default": None, "given": json.loads(args.flex_options)}
+    lens = batch_lengths(args, 1)[0]
+    ids, mask, attn, n = make_batch(lens, c.sizes.V, c.mask_id, 0)
+    keep = attn.bool()
+    from pipe import Packet
+    K, H = c.dcfg.num_taps, c.sizes.H
+    item = td.make_prepare(c.dcfg, c.device, c.flex)(
+        Packet(0, n, ids[keep], mask[keep], torch.zeros(int(n.sum()), K * H, device=c.device, dtype=c.dtype)))
+    bm = item.attn.full
+    q_len, kv_len = bm.seq_lengths
+    nh, nkv, D, B = c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads, c.dcfg.head_dim, c.dcfg.block_size
+    a_pos = item.block_pos.view(-1, B)[:, 0].cpu()           # each anchor's position inside its document
+    pairs = int(B * (a_pos + B).sum())                         # = visible_pairs
+    fwd_flop = 4 * nh * D * pairs
+    g = torch.Generator(device=c.device).manual_seed(0)
+    q = torch.randn(1, nh, q_len, D, device=c.device, dtype=c.dtype, generator=g).requires_grad_()
+    k = torch.randn(1, nkv, kv_len, D, device=c.device, dtype=c.dtype, generator=g).requires_grad_()
+    v = torch.randn(1, nkv, kv_len, D, device=c.device, dtype=c.dtype, generator=g).requires_grad_()
+    dout = torch.randn(1, nh, q_len, D, device=c.device, dtype=c.dtype, generator=g)
+    rows, ref = [], None
+    for name, opts in cands.items():
+        torch._dynamo.reset()
+        fn = torch.compile(flex_attention)
+        t0 = time.time()
+        try:
+            out = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
+            out.backward(dout)
+            c.sync()
+        except Exception as e:  # noqa: BLE001 - a config the GPU cannot run is a result, not the end of the sweep
+            rows.append({"name": name, "options": opts, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(f"flex {name}: {rows[-1]['error']}", flush=True)
+            continue
+        compile_s = time.time() - t0
+        grads = [x.grad.float().clone() for x in (q, k, v)]
+        got = [out.detach().float()] + grads
+        if ref is None:
+            ref = got
+        err = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+        times = {}
+        for phase in ("fwd", "fwd+bwd"):
+            for _ in range(2):
+                o = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
+                if phase == "fwd+bwd":
+                    o.backward(dout)
+            timer = Timer(c.device)
+            timer.start()
+            for _ in range(args.steps):
+                o = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
+                if phase == "fwd+bwd":
+                    o.backward(dout)
+            times[phase] = timer.stop() / args.steps
+            for x in (q, k, v):
+                x.grad = None
+        bwd = times["fwd+bwd"] - times["fwd"]
+        rows.append({"name": name, "options": opts, "compile_s": compile_s, "fwd_ms": 1e3 * times["fwd"],
+                     "bwd_ms": 1e3 * bwd, "fwd_tflops": fwd_flop / times["fwd"] / 1e12,
+                     "bwd_tflops": 2 * fwd_flop / bwd / 1e12, "max_abs_diff_vs_default": err})
+        r = rows[-1]
+        print(f"flex {name}: fwd {r['fwd_ms']:.3f} ms ({r['fwd_tflops']:.0f} TFLOP/s), bwd {r['bwd_ms']:.3f} ms "
+              f"({r['bwd_tflops']:.0f} TFLOP/s), compile {compile_s:.0f} s, max |diff| vs default {err:.3g}",
+              flush=True)
+    torch._dynamo.reset()
+    return {"q_len": q_len, "kv_len": kv_len, "visible_pairs": pairs, "heads": [nh, nkv, D], "rows": rows}
+
+
 def instrumented_step(rig, feeder, c):
     """One more step with the queue full. GPU: memory allocated at each phase boundary and the peak inside each
     phase. CPU: what autograd saves (saved_tensors_hooks; not on the GPU, where active hooks would recompile the
@@ -608,7 +695,7 @@ def bench_pipeline(args, c) -> dict:
         out["producer_mb_s"] = args.steps / (time.perf_counter() - t0)
         out["target_peak_mem_bytes"] = c.peak_mem()
     else:
-        rig = DrafterRig(c, args.seed) if args.pipe_compute else None
+        rig = DrafterRig(c, args.seed, args.compile_drafter) if args.pipe_compute else None
         if rig and c.flex:
             from model.attention import warmup_flex_attention
             warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
@@ -772,6 +859,18 @@ def report(res, c) -> str:
     if gpu_mem:
         errs = planner.check_fits(res["plan_full"], gpu_mem)
         lines.append("planner.check_fits on this GPU: " + ("fits" if not errs else "; ".join(errs)))
+    fx = res.get("flex")
+    if fx and "error" not in fx:
+        lines += ["", f"(b') one drafter layer's flex_attention on the bench mask: q {fx['q_len']}, kv {fx['kv_len']}, "
+                      f"heads/kv heads/dim {fx['heads']}, {fx['visible_pairs']:,} visible pairs; TFLOP/s on those "
+                      "pairs (backward = 2x forward FLOPs)",
+                  "| kernel_options | fwd ms (TFLOP/s) | bwd ms (TFLOP/s) | compile s | max abs diff vs default |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in fx["rows"]:
+            label = f"{r['name']}: `{json.dumps(r['options'])}`"
+            lines.append(f"| {label} | error: {r['error']} | | | |" if "error" in r else
+                         f"| {label} | {r['fwd_ms']:.3f} ({r['fwd_tflops']:.0f}) | {r['bwd_ms']:.3f} "
+                         f"({r['bwd_tflops']:.0f}) | {r['compile_s']:.0f} | {r['max_abs_diff_vs_default']:.3g} |")
     if res.get("commands"):
         lines += ["", "(c) pipeline commands: the bench's synthetic pipeline (transport only, then target forward + "
                       "drafter step), and train_dflash.py itself on a random target and synthetic data of this shape:"]
@@ -813,6 +912,9 @@ class Context:
         for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH"):
             if getattr(args, name.lower()) is not None:
                 setattr(td, name, getattr(args, name.lower()))
+        if args.flex_options and args.mode != "flex":
+            from model.attention import set_flex_kernel_options
+            set_flex_kernel_options(json.loads(args.flex_options))
         self.hf = hf_config(args.shape)
         self.mask_id = SHAPES[args.shape][-1]
         self.sizes = planner.model_sizes(self.hf)
@@ -820,7 +922,7 @@ class Context:
                                               num_taps=td.NUM_TAPS or None)
         self.cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
         self.cfg.update(TARGET_RANKS=1, MAX_LEN=args.seq, DTYPE="bfloat16" if cuda else "float32",
-                        ATTN="flex" if self.flex else "sdpa")
+                        ATTN="flex" if self.flex else "sdpa", COMPILE_DRAFTER=args.compile_drafter)
         self.peak_tflops = None
 
     def sync(self):
@@ -865,7 +967,9 @@ def environment(c) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["target", "drafter", "pipeline", "all"], default="all")
+    ap.add_argument("--mode", choices=["target", "drafter", "pipeline", "flex", "all"], default="all",
+                    help="all = target, drafter, pipeline; flex (only when named): kernel_options sweep of one "
+                         "drafter layer's flex_attention")
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
     ap.add_argument("--seq", type=int, help="tokens per sequence (--mixed: the longest) [3072; tiny 64]")
     ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch; TOKEN_BUDGET = batch * seq [4]")
@@ -887,6 +991,9 @@ def parse_args(argv):
     ap.add_argument("--ce-chunk", type=int, default=None, help="CE_CHUNK (default: train_dflash's)")
     ap.add_argument("--q-hs", type=int, default=None, help="Q_HS (default: train_dflash's)")
     ap.add_argument("--send-depth", type=int, default=None, help="SEND_DEPTH (default: train_dflash's)")
+    ap.add_argument("--flex-options", default=None, metavar="JSON",
+                    help="kernel_options for the drafter's flex_attention (model.attention.set_flex_kernel_options); "
+                         "--mode flex: time only these against the default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     ap.add_argument("--json", default=None, help="write every number to this file")
@@ -939,7 +1046,7 @@ def run(args) -> dict:
         c.peak_tflops = res["peak_tflops"] = peak_matmul_tflops(c.device, c.dtype)
     failed = False
     for mode in modes:
-        fn = {"target": bench_target, "drafter": bench_drafter, "pipeline": bench_pipeline}[mode]
+        fn = {"target": bench_target, "drafter": bench_drafter, "pipeline": bench_pipeline, "flex": bench_flex}[mode]
         try:
             out = fn(args, c)
         except Exception as e:  # noqa: BLE001 - one mode's failure must not lose the others' numbers

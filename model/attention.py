@@ -17,6 +17,14 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 FLEX_BLOCK = 128  # flex_attention's tile; queries are padded to a multiple of it on GPU
+# kernel_options every drafter flex_attention call passes (None: torch's defaults for the GPU). Set it with
+# set_flex_kernel_options before anything compiles; bench/bench_dflash.py --mode flex times candidates.
+FLEX_KERNEL_OPTIONS: dict | None = None
+
+
+def set_flex_kernel_options(options: dict | None) -> None:
+    global FLEX_KERNEL_OPTIONS
+    FLEX_KERNEL_OPTIONS = dict(options) if options else None
 
 
 def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_blocks,
@@ -212,6 +220,7 @@ def warmup_flex_attention(device, dtype=torch.bfloat16, num_heads=4, num_kv_head
     k = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
     v = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
     with torch.set_grad_enabled(grad):
-        out = compiled_flex_attention()(q, k, v, block_mask=bm, enable_gqa=num_heads != num_kv_heads)
+        out = compiled_flex_attention()(q, k, v, block_mask=bm, enable_gqa=num_heads != num_kv_heads,
+                                        kernel_options=FLEX_KERNEL_OPTIONS)
         if grad:
             out.sum().backward()

@@ -13,7 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from model import attention
 from model.attention import AttnSpec, compiled_flex_attention, make_attn_spec
+from model.objective import use_compiled_ce
 
 
 def default_layer_ids(n_layers: int, k: int) -> list[int]:
@@ -165,11 +167,13 @@ def compile_drafter(drafter, mode: str) -> None:
     """GPU speed, same math: "elementwise" fuses RMSNorm and RoPE (eager they are ~10 kernels each, with fp32
     round trips under autocast) into one Triton kernel per call, forward and backward, for every drafter in the
     process; "layers" compiles each decoder layer whole (norms, RoPE, concatenations and flex_attention in one
-    graph). Shapes are dynamic (the context length changes every micro-batch). Call it on the main thread, before
-    any worker thread runs the drafter. "off" undoes both."""
+    graph). Both also compile the loss's CE epilogue (model.objective.use_compiled_ce). Shapes are dynamic (the
+    context length changes every micro-batch). Call it on the main thread, before any worker thread runs the
+    drafter. "off" undoes all of it."""
     global apply_rope, rms_norm
     assert mode in COMPILE_MODES, f"compile mode {mode!r} is not one of {COMPILE_MODES}"
     apply_rope, rms_norm = _apply_rope, _rms_norm       # "off" restores eager everywhere
+    use_compiled_ce(mode != "off")
     for layer in drafter.layers:
         layer._compiled_call_impl = None                # what nn.Module.compile sets
     if mode == "elementwise":
@@ -247,7 +251,8 @@ class Attention(nn.Module):
             if q_len > M:
                 q = F.pad(q, (0, 0, 0, q_len - M))
             flex = compiled_flex_attention() if q.is_cuda else flex_attention   # eager flex: CPU tests only
-            o = flex(q, k, v, block_mask=mask, enable_gqa=gqa)[:, :, :M]
+            o = flex(q, k, v, block_mask=mask, enable_gqa=gqa,
+                     kernel_options=attention.FLEX_KERNEL_OPTIONS)[:, :, :M]
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o[0].transpose(0, 1).reshape(M, self.n_head * D))

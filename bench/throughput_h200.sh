@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU calls behind BENCHMARKS.md section 1's third round, on an nvidia-h200-x2 machine (2 GPUs), in two parts
+# that each fit one 10-minute device call. Outputs go to OUT (default runs/throughput).
+#   PART=1: GPU 0: flex_attention kernel_options sweep (--mode flex), then the drafter step (COMPILE_DRAFTER=layers)
+#           with the fastest correct options; GPU 1: the CUDA tests of flex and of the compiled drafter, then the
+#           drafter step with torch's default flex options under the profiler.
+#   PART=2: train_dflash.py itself at the benchmark shape, 1 target + 1 drafter rank, eager and compiled
+#           (bench/trainer_h200.sh), then the 2-GPU trainer test.
+#   PART=1 bash bench/throughput_h200.sh [OUT]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/throughput}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
+B="$PY -m bench.bench_dflash"
+if [[ ${PART:-1} == 1 ]]; then
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 300 $B --mode flex --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1
+        # fastest forward + backward among the candidates whose outputs and gradients match the default's
+        BEST=$($PY - "$OUT/flex.json" <<'EOF'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["flex"]["rows"] if "error" not in r]
+ok = [r for r in rows if r["max_abs_diff_vs_default"] < 0.05]
+best = min(ok, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
+print(json.dumps(best["options"] or {}))
+EOF
+)
+        BEST=${BEST:-"{}"}
+        echo "best flex options: $BEST" >> "$OUT/flex.txt"
+        timeout 200 $B --mode drafter --compile-drafter layers --flex-options "$BEST" --steps 8 \
+            --json "$OUT/drafter_layers_bestflex.json" > "$OUT/drafter_layers_bestflex.txt" 2>&1
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+        timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/tests_cuda.txt" 2>&1
+        timeout 180 $B --mode drafter --compile-drafter layers --steps 8 --profile 1 \
+            --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
+    ) &
+    wait
+else
+    # checkpoints (~13 GB each at this shape) stay outside OUT; the logs and metrics are copied in
+    RUNS=${RUNS:-/tmp/trainer_runs}
+    STEPS=${STEPS:-60} MODES=${MODES:-"layers off"} timeout ${TRAIN_TIMEOUT:-450} bash bench/trainer_h200.sh \
+        "${ASSETS:-/tmp/bench_assets}" "$RUNS" > "$OUT/trainer.txt" 2>&1
+    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
+    rm -rf "$RUNS"
+    timeout 120 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
+fi
+echo "part ${PART:-1} done"
