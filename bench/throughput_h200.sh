@@ -4,8 +4,9 @@
 #   PART=1: GPU 0: flex_attention kernel_options sweep (--mode flex), then the drafter step (COMPILE_DRAFTER=layers)
 #           with the fastest correct options; GPU 1: the CUDA tests of flex and of the compiled drafter, then the
 #           drafter step with torch's default flex options under the profiler.
-#   PART=2: train_dflash.py itself at the benchmark shape, 1 target + 1 drafter rank, eager and compiled
-#           (bench/trainer_h200.sh), then the 2-GPU trainer test.
+#   PART=2: GPU 0 writes the random Qwen3-8B assets while GPU 1 runs the CUDA tests and the drafter step; then
+#           train_dflash.py itself at the benchmark shape, 1 target + 1 drafter rank (bench/trainer_h200.sh, MODES
+#           default layers), then the 2-GPU trainer test if BUDGET seconds leave room.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,12 +42,26 @@ EOF
     ) &
     wait
 else
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
+    ASSETS=${ASSETS:-/tmp/bench_assets}
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+        timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/tests_cuda.txt" 2>&1
+        timeout 180 $B --mode drafter --compile-drafter layers --steps 8 --profile 1 \
+            --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
+    ) &
+    wait
     # checkpoints (~13 GB each at this shape) stay outside OUT; the logs and metrics are copied in
     RUNS=${RUNS:-/tmp/trainer_runs}
-    STEPS=${STEPS:-60} MODES=${MODES:-"layers off"} timeout ${TRAIN_TIMEOUT:-450} bash bench/trainer_h200.sh \
-        "${ASSETS:-/tmp/bench_assets}" "$RUNS" > "$OUT/trainer.txt" 2>&1
+    STEPS=${STEPS:-60} MODES=${MODES:-layers} timeout $(( $(left) - ${KEEP_S:-0} )) bash bench/trainer_h200.sh \
+        "$ASSETS" "$RUNS" > "$OUT/trainer.txt" 2>&1
     for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
     rm -rf "$RUNS"
-    timeout 120 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
+    (( $(left) > 60 )) && timeout $(left) $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
 fi
 echo "part ${PART:-1} done"

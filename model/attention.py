@@ -27,6 +27,16 @@ def set_flex_kernel_options(options: dict | None) -> None:
     FLEX_KERNEL_OPTIONS = dict(options) if options else None
 
 
+def flex_kernel_options(q_len: int, kv_len: int, cuda: bool) -> dict | None:
+    """FLEX_KERNEL_OPTIONS for one call, plus on a GPU IS_DIVISIBLE when both lengths are multiples of the tile (the
+    GPU padding of block_mask guarantees it). Inductor infers IS_DIVISIBLE only from static shapes; the drafter's are
+    dynamic (compiled once for every context length), and without it every load is bounds-checked."""
+    opts = dict(FLEX_KERNEL_OPTIONS or {})
+    if cuda and q_len % FLEX_BLOCK == 0 and kv_len % FLEX_BLOCK == 0:
+        opts.setdefault("IS_DIVISIBLE", True)
+    return opts or None
+
+
 def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_blocks,
                     causal_block=False, sliding_window=None):
     """mask_mod(b, h, q_idx, kv_idx) -> bool for N blocks of B tokens against [T context ; N*B block] keys.
@@ -75,27 +85,29 @@ def dense_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
 
 
 def block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
-                         q_pad_to=None) -> BlockMask:
+                         pad_to=None) -> BlockMask:
     """The BlockMask flex's own create_block_mask makes from the mask_mod: it evaluates every (q, kv) pair (vmap,
     eager), ~100 ms of GPU and Python time per micro-batch at 512 anchors x 4 x 3072 tokens. The reference for
     block_mask below."""
     T, M = ctx_doc.shape[0], anchor_pos.shape[0] * block_size
-    q_len = _q_len(M, q_pad_to, ctx_doc.device)
+    q_len, kv_len = _padded(M, pad_to, ctx_doc.device), _padded(T + M, pad_to, ctx_doc.device)
     mod = dflash_mask_mod(**_mask_args(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window))
-    return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=T + M, device=ctx_doc.device)
+    return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=ctx_doc.device)
 
 
-def _q_len(M, q_pad_to, device):
-    if q_pad_to is None:
-        q_pad_to = FLEX_BLOCK if torch.device(device).type == "cuda" else 1
-    return -(-M // q_pad_to) * q_pad_to
+def _padded(n, pad_to, device):
+    if pad_to is None:
+        pad_to = FLEX_BLOCK if torch.device(device).type == "cuda" else 1
+    return -(-n // pad_to) * pad_to
 
 
 def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
-               q_pad_to=None, device=None) -> BlockMask:
+               pad_to=None, device=None) -> BlockMask:
     """flex_attention BlockMask of the same mask_mod, its tile structure computed from intervals instead of pairs.
-    Q_LEN is padded to a multiple of `q_pad_to` (default: 128 when the mask is for a GPU, none on CPU) so few
-    distinct shapes reach the compiled kernel; the drafter pads its queries to match. Inputs may live on the CPU
+    Q_LEN and KV_LEN are padded to a multiple of `pad_to` (default: 128 when the mask is for a GPU, none on CPU):
+    few distinct shapes reach the compiled kernel, and lengths that are multiples of its tile let the drafter pass
+    IS_DIVISIBLE (no bounds checks; padded keys are never visible, see the mask_mod). The drafter pads its queries
+    and keys to match. Inputs may live on the CPU
     (the trainer plans there) and the mask is moved to `device` (default: the inputs' device).
 
     Every query row sees at most two key intervals: context [start of its document, anchor) (cut by the window for
@@ -106,16 +118,17 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     device = torch.device(device) if device is not None else ctx_doc.device
     T, B, N = ctx_doc.shape[0], block_size, anchor_pos.shape[0]
     M = N * B
-    q_len = _q_len(M, q_pad_to, device)
+    q_len, kv_len = _padded(M, pad_to, device), _padded(T + M, pad_to, device)
     cpu = torch.device("cpu")
     ap, ad, cd = anchor_pos.to(cpu), anchor_doc.to(cpu), ctx_doc.to(cpu)
     runs = cd[torch.cat([torch.tensor([True]), cd[1:] != cd[:-1]])]                    # one entry per run of a doc
     runs = runs[runs >= 0]                                                               # padding (-1) may repeat
     if runs.numel() != torch.unique(runs).numel() or N == 0:
         return block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
-                                    q_pad_to).to(device)
+                                    pad_to if pad_to is not None else (FLEX_BLOCK if device.type == "cuda" else 1)
+                                    ).to(device)
     TILE = FLEX_BLOCK
-    q_tiles, kv_len = -(-q_len // TILE), T + M
+    q_tiles = -(-q_len // TILE)
     kv_tiles = -(-kv_len // TILE)
     # per query row (create_block_mask pads rows past Q_LEN with "nothing visible"; rows in [M, q_len) are flex's
     # padding, for which the mask_mod clamps to the last block: reproduce both)
@@ -221,6 +234,6 @@ def warmup_flex_attention(device, dtype=torch.bfloat16, num_heads=4, num_kv_head
     v = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
     with torch.set_grad_enabled(grad):
         out = compiled_flex_attention()(q, k, v, block_mask=bm, enable_gqa=num_heads != num_kv_heads,
-                                        kernel_options=FLEX_KERNEL_OPTIONS)
+                                        kernel_options=flex_kernel_options(M, T, device.type == "cuda"))
         if grad:
             out.sum().backward()

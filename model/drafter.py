@@ -247,12 +247,14 @@ class Attention(nn.Module):
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))     # [1, heads, len, D]
         gqa = self.n_head != self.n_kv
         if isinstance(mask, BlockMask):
-            q_len = mask.seq_lengths[0]                                     # padded to the flex tile on GPU
+            q_len, kv_len = mask.seq_lengths                                # padded to the flex tile on GPU
             if q_len > M:
                 q = F.pad(q, (0, 0, 0, q_len - M))
+            if kv_len > k.shape[2]:                                         # padded keys are never visible
+                k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) for x in (k, v))
             flex = compiled_flex_attention() if q.is_cuda else flex_attention   # eager flex: CPU tests only
             o = flex(q, k, v, block_mask=mask, enable_gqa=gqa,
-                     kernel_options=attention.FLEX_KERNEL_OPTIONS)[:, :, :M]
+                     kernel_options=attention.flex_kernel_options(q_len, kv_len, q.is_cuda))[:, :, :M]
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o[0].transpose(0, 1).reshape(M, self.n_head * D))

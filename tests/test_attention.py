@@ -70,8 +70,8 @@ def test_mask_mod_clamps_padded_indices():
     big = mod(zero, zero, q, kv)                                     # would raise IndexError without the clamps
     assert torch.equal(big[: N * B, : T + N * B], dense_mask(anchors, anchor_doc, doc, B))
     assert not big[:, T + N * B:].any(), "padded keys are never visible"
-    bm = block_mask(anchors, anchor_doc, doc, B, q_pad_to=128)      # the GPU padding, built on CPU
-    assert bm.seq_lengths == (128, T + N * B)
+    bm = block_mask(anchors, anchor_doc, doc, B, pad_to=128)      # the GPU padding, built on CPU
+    assert bm.seq_lengths == (128, -(-(T + N * B) // 128) * 128)    # both padded to the tile
 
 
 def test_block_mask_covers_dense():
@@ -82,7 +82,7 @@ def test_block_mask_covers_dense():
     B = 8
     anchors = torch.sort(torch.randperm(int(lengths.sum()) - 1, generator=g)[:40]).values
     dense = dense_mask(anchors, doc[anchors], doc, B)
-    bm = block_mask(anchors, doc[anchors], doc, B, q_pad_to=128)
+    bm = block_mask(anchors, doc[anchors], doc, B, pad_to=128)
     blocks = bm.to_dense()[0, 0].bool()                             # [q blocks, kv blocks]
     grid = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)[: dense.shape[0], : dense.shape[1]]
     assert not (dense & ~grid).any()
@@ -100,11 +100,13 @@ def test_flex_equals_sdpa_dense():
     from torch.nn.attention.flex_attention import flex_attention
     for causal_block, window in [(False, None), (True, 6)]:
         dm = dense_mask(anchors, anchor_doc, doc, B, causal_block, window)
-        bm = block_mask(anchors, anchor_doc, doc, B, causal_block, window, q_pad_to=128)
+        bm = block_mask(anchors, anchor_doc, doc, B, causal_block, window, pad_to=128)
+        assert bm.seq_lengths == (128, 128)                           # queries and keys padded to the tile
         qp = F.pad(q, (0, 0, 0, 128 - M))
+        kp, vp = (F.pad(x, (0, 0, 0, 128 - (T + M)), value=1e4) for x in (k, v))   # padded keys: loud if seen
         with torch.no_grad():
             want = F.scaled_dot_product_attention(q, k, v, attn_mask=dm, enable_gqa=True)
-            got = flex_attention(qp, k, v, block_mask=bm, enable_gqa=True)[:, :, :M]
+            got = flex_attention(qp, kp, vp, block_mask=bm, enable_gqa=True)[:, :, :M]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -125,7 +127,7 @@ def test_block_mask_equals_create_block_mask(seed):
     for causal_block, window in [(False, None), (True, 37), (False, 200)]:
         for pad in (1, 128):
             args = (anchors, doc[anchors], doc, B, causal_block, window)
-            want, got = block_mask_reference(*args, q_pad_to=pad), block_mask(*args, q_pad_to=pad)
+            want, got = block_mask_reference(*args, pad_to=pad), block_mask(*args, pad_to=pad)
             assert got.seq_lengths == want.seq_lengths
             for w, x in [(want.to_dense(), got.to_dense()),
                          (*[BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
@@ -152,7 +154,7 @@ def test_block_mask_tile_boundaries():
             # window 150 with anchors 256..: the first q tile's latest window start is 256+7+15-150+1 = 129
             for causal_block, window in [(False, None), (True, 130), (True, 150), (False, 150)]:
                 args = (anchors, doc[anchors], doc, B, causal_block, window)
-                want, got = block_mask_reference(*args, q_pad_to=128), block_mask(*args, q_pad_to=128)
+                want, got = block_mask_reference(*args, pad_to=128), block_mask(*args, pad_to=128)
                 for m in (want, got):
                     m.full = BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
                 assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.full, want.full)

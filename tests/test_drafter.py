@@ -128,15 +128,15 @@ def test_packed_equals_one_block_at_a_time(build_drafter, tiny_qwen3_dir):
         torch.testing.assert_close(run(d, one)[0], got[n], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_pad_to", [1, 128])
-def test_flex_path_equals_sdpa_path(build_drafter, tiny_qwen3_dir, q_pad_to):
+@pytest.mark.parametrize("pad_to", [1, 128])
+def test_flex_path_equals_sdpa_path(build_drafter, tiny_qwen3_dir, pad_to):
     d = build_drafter(tiny_qwen3_dir, num_layers=2, sliding_window_layers=1, sliding_window=6)
     b = packed_batch(d)
     bl, B = b["blocks"], d.config.block_size
     want = run(d, b)
     args = (bl.anchor_idx, bl.anchor_doc, b["doc"], B)
-    attn = AttnSpec(full=block_mask(*args, q_pad_to=q_pad_to),
-                    sliding=block_mask(*args, causal_block=True, sliding_window=6, q_pad_to=q_pad_to))
+    attn = AttnSpec(full=block_mask(*args, pad_to=pad_to),
+                    sliding=block_mask(*args, causal_block=True, sliding_window=6, pad_to=pad_to))
     assert attn.is_flex
     with torch.no_grad():
         got = d(b["feats"], b["pos"], b["emb"][bl.ids.flatten()], bl.positions.flatten(), attn)
