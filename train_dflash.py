@@ -543,6 +543,20 @@ class Prepared:
         return ts
 
 
+def scale_clip_(params, scale, max_norm: float):
+    """p.grad *= scale for every parameter, then clip the global norm to max_norm: the result of a per-parameter
+    mul_ followed by clip_grad_norm_, in one foreach multiply (the norm of the scaled gradients is scale times the
+    norm of the unscaled ones). scale: a 0-dim tensor on the gradients' device (no host sync). Returns that norm."""
+    import torch
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads) * scale
+    coef = scale * torch.clamp(max_norm / (total + 1e-6), max=1.0)                # clip_grad_norm_'s coefficient
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total
+
+
 def make_prepare(cfg, device, flex):
     """Packet -> Prepared: anchors and blocks planned on the CPU from (SEED, g), moved to the device once."""
     import torch
@@ -556,15 +570,15 @@ def make_prepare(cfg, device, flex):
                           cfg.mask_token_id)
         w = blk.weights.flatten()                                                               # [N*B]
         rows = (w > 0).nonzero().squeeze(1)                                                     # supervised slots
-        from model.attention import make_attn_spec
-        to = dict(device=device, non_blocking=True)
+        from model.attention import make_attn_spec, to_device
         attn = make_attn_spec(blk.anchor_idx, blk.anchor_doc, doc_ids, cfg.block_size, cfg.layer_types,
                               cfg.sliding_window, flex, device)          # a BlockMask is planned on the CPU
         return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features,
                         lengths=p.lengths, input_ids=p.input_ids,
-                        ctx_pos=positions.to(**to), block_ids=blk.ids.flatten().to(**to),
-                        block_pos=blk.positions.flatten().to(**to), labels=blk.labels.flatten().to(**to),
-                        weights=w.to(**to), rows=rows.to(**to), attn=attn)
+                        ctx_pos=to_device(positions, device), block_ids=to_device(blk.ids.flatten(), device),
+                        block_pos=to_device(blk.positions.flatten(), device),
+                        labels=to_device(blk.labels.flatten(), device), weights=to_device(w, device),
+                        rows=to_device(rows, device), attn=attn)
     return prepare
 
 
@@ -1083,11 +1097,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         # global normalisation: gradients hold sum(w * CE) (averaged by DDP over ranks); divide by the global weight
         if d.n_drafters > 1:
             dist.all_reduce(step_w, group=d.drafters)
-        scale = (d.n_drafters / step_w.clamp(min=1e-12)).float()
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        scale_clip_(params, (d.n_drafters / step_w.clamp(min=1e-12)).float(), GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_w.zero_()

@@ -303,7 +303,8 @@ class Feeder(threading.Thread):
         self.q = queue.Queue(maxsize=depth)
         self.halt = threading.Event()
         self.error = None
-        self.prepare_s = []      # CPU seconds per prepare() call
+        self.prepare_s = []      # wall seconds per prepare() call
+        self.prepare_cpu_s = []  # this thread's CPU seconds in them (wall - CPU = waiting: the GIL, blocking copies)
 
     def run(self):
         try:
@@ -313,9 +314,10 @@ class Feeder(threading.Thread):
             while not self.halt.is_set():
                 with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                     p = self.make_packet(g)
-                    t = time.perf_counter()
+                    t, cpu = time.perf_counter(), time.thread_time()
                     item = self.prepare(p)
                     self.prepare_s.append(time.perf_counter() - t)
+                    self.prepare_cpu_s.append(time.thread_time() - cpu)
                     done = None
                     if cuda:
                         done = torch.cuda.Event()
@@ -356,9 +358,8 @@ class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
     def __init__(self, c, seed=0, compile_mode="off"):
-        from torch.nn.utils import clip_grad_norm_
         from model.drafter import compile_drafter
-        self.c, self.clip = c, clip_grad_norm_
+        self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
@@ -390,11 +391,7 @@ class DrafterRig:
         self.sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(),
                                   bm["acc_num"].double(), bm["acc_den"].double(), bm["streak_num"].double(),
                                   bm["streak_den"].double()])
-        scale = (1.0 / self.step_w.clamp(min=1e-12)).float()
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
-        self.clip(self.params, td.GRAD_CLIP)
+        td.scale_clip_(self.params, (1.0 / self.step_w.clamp(min=1e-12)).float(), td.GRAD_CLIP)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step_w.zero_()
@@ -492,6 +489,8 @@ def bench_drafter(args, c) -> dict:
            "supervised_rows_per_step": sum(i[5] for i in items) / steps,
            "tflops": flops["total"] / dt / 1e12, "tflop_per_step": {k: v / steps / 1e12 for k, v in flops.items()},
            "prepare_ms": 1e3 * sum(feeder.prepare_s) / max(1, len(feeder.prepare_s)),
+           "prepare_cpu_ms": 1e3 * sum(feeder.prepare_cpu_s) / max(1, len(feeder.prepare_cpu_s)),
+           "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
            "compile_drafter": args.compile_drafter, "profile": prof}
     out.update(c.mfu(out["tflops"]))
@@ -585,6 +584,10 @@ def bench_flex(args, c) -> dict:
               flush=True)
     torch._dynamo.reset()
     return {"q_len": q_len, "kv_len": kv_len, "visible_pairs": pairs, "heads": [nh, nkv, D], "rows": rows}
+
+
+def _median(xs):
+    return float(torch.tensor(xs, dtype=torch.float64).median()) if xs else float("nan")
 
 
 def instrumented_step(rig, feeder, c):
@@ -805,8 +808,11 @@ def report(res, c) -> str:
         row("drafter", "TFLOP per step: " + " / ".join(k for k in d["tflop_per_step"] if k != "total"),
             " / ".join(f"{v:.4g}" for k, v in d["tflop_per_step"].items() if k != "total")
             + f" (total {d['tflop_per_step']['total']:.4g})")
-        row("drafter", "prepare ms (CPU, feeder thread); main thread queue wait ms per step",
-            f"{d['prepare_ms']:.1f}; {d['queue_wait_ms']:.1f}")
+        row("drafter", "prepare ms on the feeder thread, wall (median) / its CPU time (median); main thread queue "
+                       "wait ms per step", f"{d['prepare_ms']:.1f} ({d.get('prepare_med_ms', float('nan')):.1f}) / "
+                                           f"{d.get('prepare_cpu_ms', float('nan')):.1f} "
+                                           f"({d.get('prepare_cpu_med_ms', float('nan')):.1f}); "
+                                           f"{d['queue_wait_ms']:.1f}")
         row("drafter", "peak GiB measured / estimate (estimate/measured)", _vs(d["peak_mem_bytes"], est["drafter"]))
         if d["saved_bytes"]:
             row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",

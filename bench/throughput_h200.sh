@@ -7,6 +7,8 @@
 #   PART=2: GPU 0 writes the random Qwen3-8B assets while GPU 1 runs the CUDA tests and the drafter step; then
 #           train_dflash.py itself at the benchmark shape, 1 target + 1 drafter rank (bench/trainer_h200.sh, MODES
 #           default layers), then the 2-GPU trainer test if BUDGET seconds leave room.
+#   PART=3: both GPUs: the drafter step over 30 steps (the prefetch queue drains, so a slow feeder would show) with
+#           torch's and with FLEX_BEST flex options; then train_dflash.py, compiled and eager, STEPS=100.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,27 @@ EOF
             --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
     ) &
     wait
+elif [[ ${PART} == 3 ]]; then
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
+    ASSETS=${ASSETS:-/tmp/bench_assets}
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 200 $B --mode drafter --compile-drafter layers --steps 30 --profile 1 \
+            --json "$OUT/drafter_layers30.json" > "$OUT/drafter_layers30.txt" 2>&1
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1
+        FB=${FLEX_BEST:-"{}"}
+        timeout 170 $B --mode drafter --compile-drafter layers --steps 30 --flex-options "$FB" \
+            --json "$OUT/drafter_layers30_flex.json" > "$OUT/drafter_layers30_flex.txt" 2>&1
+    ) &
+    wait
+    RUNS=${RUNS:-/tmp/trainer_runs}
+    STEPS=${STEPS:-100} MODES=${MODES:-"layers off"} timeout $(left) bash bench/trainer_h200.sh "$ASSETS" "$RUNS" \
+        > "$OUT/trainer.txt" 2>&1
+    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
+    rm -rf "$RUNS"
 else
     T0=$(date +%s); left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
     ASSETS=${ASSETS:-/tmp/bench_assets}

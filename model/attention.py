@@ -9,6 +9,7 @@ A query of block n sees
 `dflash_mask_mod` writes this once with tensor ops only, so the same function feeds flex_attention's BlockMask
 (GPU training) and, evaluated on broadcast index grids, the dense bool mask of the SDPA path (CPU, tests).
 """
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Union
@@ -95,6 +96,29 @@ def block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_blo
     return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=ctx_doc.device)
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """CPU -> GPU without blocking the calling thread: through pinned memory (PyTorch's caching host allocator keeps
+    the pinned block until the copy has run). A blocking or pageable copy would wait on the calling thread's stream
+    (the feeder threads plan on the CPU while the main thread trains). Anything else: plain .to()."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def block_mask_to(bm: BlockMask, device) -> BlockMask:
+    """BlockMask.to(device) with to_device's non-blocking copies (BlockMask.to copies each tensor blocking)."""
+    attrs = getattr(bm, "_TENSOR_ATTRS", None)
+    if torch.device(device).type != "cuda" or attrs is None:
+        return bm.to(device)
+    out = copy.copy(bm)
+    for a in attrs:
+        t = getattr(bm, a, None)
+        if isinstance(t, torch.Tensor):
+            setattr(out, a, to_device(t, device))
+    return out
+
+
 def _padded(n, pad_to, device):
     if pad_to is None:
         pad_to = FLEX_BLOCK if torch.device(device).type == "cuda" else 1
@@ -163,10 +187,10 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
         num = blocks.sum(-1, dtype=torch.int32)
         idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return num[None, None], idx[None, None]
-    mod = dflash_mask_mod(**_mask_args(anchor_pos.to(device), anchor_doc.to(device), ctx_doc.to(device), block_size,
-                                       causal_block, sliding_window))
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mod,
-                                    seq_lengths=(q_len, kv_len)).to(device)
+    mod = dflash_mask_mod(**_mask_args(to_device(anchor_pos, device), to_device(anchor_doc, device),
+                                       to_device(ctx_doc, device), block_size, causal_block, sliding_window))
+    return block_mask_to(BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mod,
+                                                  seq_lengths=(q_len, kv_len)), device)
 
 
 # ---------------------------------------------------------------------------

@@ -233,3 +233,25 @@ def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_d
         torch.testing.assert_close(embed.weight, m.get_input_embeddings().weight, rtol=0, atol=0)
         torch.testing.assert_close(head, m.get_output_embeddings().weight, rtol=0, atol=0)
         assert not embed.weight.requires_grad and not head.requires_grad
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])     # clipping binds / does not
+def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
+    sys.path.insert(0, str(REPO))
+    import train_dflash as td
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    scale = torch.tensor(0.37)
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    got = [torch.nn.Parameter(torch.zeros(s)) for s in shapes] + [torch.nn.Parameter(torch.zeros(2))]   # no grad
+    for p, q, x in zip(ref, got, grads):
+        p.grad, q.grad = x.clone(), x.clone()
+    for p in ref:
+        p.grad.mul_(scale)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    norm = td.scale_clip_(got, scale, max_norm)
+    torch.testing.assert_close(norm, want_norm)
+    for p, q in zip(ref, got):
+        torch.testing.assert_close(q.grad, p.grad)
+    assert got[-1].grad is None
