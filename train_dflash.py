@@ -551,6 +551,7 @@ def scale_clip_(params, scale, max_norm: float):
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    scale = scale.reshape(())
     total = torch.nn.utils.get_total_norm(grads) * scale
     coef = scale * torch.clamp(max_norm / (total + 1e-6), max=1.0)                # clip_grad_norm_'s coefficient
     torch._foreach_mul_(grads, coef.to(grads[0].dtype))

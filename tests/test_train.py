@@ -242,7 +242,7 @@ def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (3, 4, 2)]
     grads = [torch.randn(s, generator=g) for s in shapes]
-    scale = torch.tensor(0.37)
+    scale = torch.tensor([0.37])                          # the trainer passes a [1] tensor
     ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     got = [torch.nn.Parameter(torch.zeros(s)) for s in shapes] + [torch.nn.Parameter(torch.zeros(2))]   # no grad
     for p, q, x in zip(ref, got, grads):
