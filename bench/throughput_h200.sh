@@ -9,6 +9,8 @@
 #           default layers), then the 2-GPU trainer test if BUDGET seconds leave room.
 #   PART=3: both GPUs: the drafter step over 30 steps (the prefetch queue drains, so a slow feeder would show) with
 #           torch's and with FLEX_BEST flex options; then train_dflash.py, compiled and eager, STEPS=100.
+#   PART=4: OMP_NUM_THREADS=1 (as under torchrun): the drafter step over 40 steps, torch's and FLEX_BEST flex
+#           options, then the mixed-length runs of the compiled target and drafter.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,25 @@ EOF
         timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/tests_cuda.txt" 2>&1
         timeout 180 $B --mode drafter --compile-drafter layers --steps 8 --profile 1 \
             --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
+    ) &
+    wait
+elif [[ ${PART} == 4 ]]; then
+    # OMP_NUM_THREADS=1 as torchrun sets it for every rank: the feeder's CPU work as in the trainer
+    export OMP_NUM_THREADS=1
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 200 $B --mode drafter --compile-drafter layers --steps 40 \
+            --json "$OUT/drafter_layers40.json" > "$OUT/drafter_layers40.txt" 2>&1
+        timeout 200 $B --mode target --compile --mixed --steps 10 \
+            --json "$OUT/target_compile_mixed.json" > "$OUT/target_compile_mixed.txt" 2>&1
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        FB=${FLEX_BEST:-"{}"}
+        timeout 200 $B --mode drafter --compile-drafter layers --steps 40 --flex-options "$FB" \
+            --json "$OUT/drafter_layers40_flex.json" > "$OUT/drafter_layers40_flex.txt" 2>&1
+        timeout 200 $B --mode drafter --compile-drafter layers --mixed --steps 20 \
+            --json "$OUT/drafter_layers_mixed.json" > "$OUT/drafter_layers_mixed.txt" 2>&1
     ) &
     wait
 elif [[ ${PART} == 3 ]]; then

@@ -131,14 +131,16 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     Q_LEN and KV_LEN are padded to a multiple of `pad_to` (default: 128 when the mask is for a GPU, none on CPU):
     few distinct shapes reach the compiled kernel, and lengths that are multiples of its tile let the drafter pass
     IS_DIVISIBLE (no bounds checks; padded keys are never visible, see the mask_mod). The drafter pads its queries
-    and keys to match. Inputs may live on the CPU
-    (the trainer plans there) and the mask is moved to `device` (default: the inputs' device).
+    and keys to match. Inputs may live on the CPU (the trainer plans there) and the mask is moved to `device`
+    (default: the inputs' device).
 
     Every query row sees at most two key intervals: context [start of its document, anchor) (cut by the window for
     sliding layers) and a slice of its own block. So a [128 x 128] tile is partial when some row's intervals meet it
     and full when every row's cover it, which is what create_block_mask finds by evaluating all pairs
-    (block_mask_reference; tests compare them exactly). Needs each document's context rows to be contiguous (packed
-    or padded layouts); otherwise falls back to the reference."""
+    (block_mask_reference; tests compare them exactly). Without causal_block and sliding_window all rows of a block
+    share their intervals, so the coverage is computed per block and reduced over each tile's range of blocks with
+    prefix sums ([N, kv_tiles] work instead of [rows, kv_tiles]). Needs each document's context rows to be contiguous
+    (packed or padded layouts); otherwise falls back to the reference."""
     device = torch.device(device) if device is not None else ctx_doc.device
     T, B, N = ctx_doc.shape[0], block_size, anchor_pos.shape[0]
     M = N * B
@@ -154,15 +156,36 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     TILE = FLEX_BLOCK
     q_tiles = -(-q_len // TILE)
     kv_tiles = -(-kv_len // TILE)
+    first = torch.full((int(cd.max()) + 2,), T, dtype=torch.long)                       # first context row of a doc
+    valid = cd >= 0
+    first.scatter_reduce_(0, cd[valid], torch.arange(T)[valid], reduce="amin")
+    s = torch.arange(kv_tiles) * TILE                                                    # tile [s, s + TILE)
+    e = torch.clamp(s + TILE, max=kv_len)
+
+    def overlap(x0, x1):                                                                 # [rows, kv_tiles]
+        return (torch.minimum(x1[:, None], e[None]) - torch.maximum(x0[:, None], s[None])).clamp(min=0)
+
+    if not causal_block and sliding_window is None:
+        nb = torch.arange(N)
+        c0 = first[ad.clamp(min=0)]
+        cover = overlap(c0, torch.maximum(ap, c0)) + overlap(T + nb * B, T + nb * B + B)  # [N, kv_tiles]
+        zero = torch.zeros(1, kv_tiles, dtype=torch.long)
+        pf = torch.cat([zero, (cover == TILE).long().cumsum(0)])                           # [N+1, kv_tiles]
+        pa = torch.cat([zero, (cover > 0).long().cumsum(0)])
+        r0 = torch.arange(q_tiles) * TILE                                                # first row of each q tile
+        r1 = torch.clamp(r0 + TILE, max=q_len) - 1                                       # its last live row
+        n0, n1 = torch.clamp(r0 // B, max=N - 1), torch.clamp(r1 // B, max=N - 1)        # its range of blocks
+        dead = (r0 + TILE > q_len)[:, None]                  # rows past Q_LEN see nothing: such a tile is never full
+        full = (pf[n1 + 1] - pf[n0] == (n1 - n0 + 1)[:, None]) & ~dead
+        partial = (pa[n1 + 1] - pa[n0] > 0) & ~full
+        return _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
+                         q_len, kv_len, device)
     # per query row (create_block_mask pads rows past Q_LEN with "nothing visible"; rows in [M, q_len) are flex's
     # padding, for which the mask_mod clamps to the last block: reproduce both)
     q = torch.arange(q_tiles * TILE)
     n = torch.clamp(q // B, max=N - 1)
     kq = q - n * B
     a, d = ap[n], ad[n]
-    first = torch.full((int(cd.max()) + 2,), T, dtype=torch.long)                       # first context row of a doc
-    valid = cd >= 0
-    first.scatter_reduce_(0, cd[valid], torch.arange(T)[valid], reduce="amin")
     c0, c1 = first[d.clamp(min=0)], a.clone()                                            # context [c0, c1)
     lo, hi = torch.zeros_like(q), torch.full_like(q, B)                                  # slots [lo, hi) of the block
     if causal_block:
@@ -174,23 +197,24 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     dead = q >= q_len
     c1, b1 = torch.where(dead, c0, c1), torch.where(dead, b0, b1)
     c1 = torch.maximum(c1, c0)
-    s = torch.arange(kv_tiles) * TILE                                                    # tile [s, s + TILE)
-    e = torch.clamp(s + TILE, max=kv_len)
-
-    def overlap(x0, x1):                                                                 # [rows, kv_tiles]
-        return (torch.minimum(x1[:, None], e[None]) - torch.maximum(x0[:, None], s[None])).clamp(min=0)
     seen = (overlap(c0, c1) + overlap(b0, b1)).view(q_tiles, TILE, kv_tiles)
     full = (seen == TILE).all(1)                                                         # [q_tiles, kv_tiles]
     partial = (seen > 0).any(1) & ~full
+    return _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
+                     q_len, kv_len, device)
 
+
+def _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window, q_len,
+              kv_len, device) -> BlockMask:
+    """[q_tiles, kv_tiles] partial / full tiles -> the BlockMask with the mask_mod, on `device`."""
     def ordered(blocks):   # -> num [1, 1, q_tiles], indices [1, 1, q_tiles, kv_tiles] (listed blocks first)
         num = blocks.sum(-1, dtype=torch.int32)
         idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return num[None, None], idx[None, None]
     mod = dflash_mask_mod(**_mask_args(to_device(anchor_pos, device), to_device(anchor_doc, device),
                                        to_device(ctx_doc, device), block_size, causal_block, sliding_window))
-    return block_mask_to(BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mod,
-                                                  seq_lengths=(q_len, kv_len)), device)
+    return block_mask_to(BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK,
+                                                  mask_mod=mod, seq_lengths=(q_len, kv_len)), device)
 
 
 # ---------------------------------------------------------------------------
