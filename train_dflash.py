@@ -400,13 +400,16 @@ class Schedule:
 class BusyClock:
     """Seconds and tokens a role spends computing, so the master can measure each role's capacity (not only the
     pipeline's rate, which the slower role sets). On GPU: CUDA events around each unit of work, summed by the
-    watchdog thread once they have completed, so the hot loop never syncs."""
+    watchdog thread once they have completed, so the hot loop never syncs. The first `skip` units are not counted:
+    they include torch.compile's compiles (COMPILE_*, flex_attention's dynamic-shape recompile) and allocator warm-up.
+    """
 
-    def __init__(self, device):
+    def __init__(self, device, skip=3):
         import collections
         self.cuda = device.type == "cuda"
         self.pending = collections.deque()   # (start event, end event, tokens), appended by the worker thread
         self.seconds, self.tokens = 0.0, 0
+        self.skip = skip
 
     def start(self):
         if self.cuda:
@@ -417,6 +420,9 @@ class BusyClock:
         return time.perf_counter()
 
     def stop(self, t0, tokens):
+        if self.skip > 0:
+            self.skip -= 1
+            return
         if self.cuda:
             import torch
             e = torch.cuda.Event(enable_timing=True)

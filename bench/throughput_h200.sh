@@ -11,6 +11,7 @@
 #           torch's and with FLEX_BEST flex options; then train_dflash.py, compiled and eager, STEPS=100.
 #   PART=4: OMP_NUM_THREADS=1 (as under torchrun): the drafter step over 40 steps, torch's and FLEX_BEST flex
 #           options, then the mixed-length runs of the compiled target and drafter.
+#   PART=5: the GPU tests on the final code, then the trainer at the benchmark shape, compiled, STEPS=60.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,22 @@ EOF
             --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
     ) &
     wait
+elif [[ ${PART} == 5 ]]; then
+    # the final code: the GPU tests, then the trainer at the benchmark shape (compiled roles)
+    ASSETS=${ASSETS:-/tmp/bench_assets}
+    timeout 120 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+        [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1
+    ) &
+    ( CUDA_VISIBLE_DEVICES=1 timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda > "$OUT/tests_compile.txt" 2>&1 ) &
+    wait
+    RUNS=${RUNS:-/tmp/trainer_runs}
+    STEPS=${STEPS:-60} MODES=${MODES:-layers} timeout ${TRAIN_TIMEOUT:-240} bash bench/trainer_h200.sh "$ASSETS" "$RUNS" \
+        > "$OUT/trainer.txt" 2>&1
+    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
+    rm -rf "$RUNS"
 elif [[ ${PART} == 4 ]]; then
     # OMP_NUM_THREADS=1 as torchrun sets it for every rank: the feeder's CPU work as in the trainer
     export OMP_NUM_THREADS=1
