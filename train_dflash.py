@@ -1086,7 +1086,10 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
                 parts = weighted_ce(hidden, head_w, item.labels, item.weights, CE_CHUNK, rows=item.rows)
                 parts.loss_sum.backward()
-            clock.stop(t0, item.tokens)
+            if m < GRAD_ACCUM - 1:
+                clock.stop(t0, item.tokens)
+            else:                                      # the step's last micro-batch: its busy time ends after the
+                last_unit = (t0, item.tokens)          # optimizer, which is part of the drafter's per-step cost
             bm = block_metrics(parts.correct.view(-1, dcfg.block_size), item.weights.view(-1, dcfg.block_size))
             step_w += parts.weight_sum.double()
             sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(), bm["acc_num"].double(),
@@ -1106,6 +1109,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
             dist.all_reduce(step_w, group=d.drafters)
         scale_clip_(params, (d.n_drafters / step_w.clamp(min=1e-12)).float(), GRAD_CLIP)
         opt.step()
+        clock.stop(*last_unit)
         opt.zero_grad(set_to_none=True)
         step_w.zero_()
         step += 1

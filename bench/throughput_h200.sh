@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU calls behind BENCHMARKS.md section 1's third round, on an nvidia-h200-x2 machine (2 GPUs), in two parts
-# that each fit one 10-minute device call. Outputs go to OUT (default runs/throughput).
+# The device calls behind BENCHMARKS.md section 1's third round, on an nvidia-h200-x2 machine (2 GPUs), one PART
+# per 10-minute call. Outputs (logs, JSON, the trainer's metrics) go to OUT (default runs/throughput).
 #   PART=1: GPU 0: flex_attention kernel_options sweep (--mode flex), then the drafter step (COMPILE_DRAFTER=layers)
 #           with the fastest correct options; GPU 1: the CUDA tests of flex and of the compiled drafter, then the
 #           drafter step with torch's default flex options under the profiler.
-#   PART=2: GPU 0 writes the random Qwen3-8B assets while GPU 1 runs the CUDA tests and the drafter step; then
-#           train_dflash.py itself at the benchmark shape, 1 target + 1 drafter rank (bench/trainer_h200.sh, MODES
-#           default layers), then the 2-GPU trainer test if BUDGET seconds leave room.
+#   PART=2: GPU 0 writes the random Qwen3-8B assets while GPU 1 runs the CUDA tests and the profiled drafter step;
+#           then train_dflash.py itself at the benchmark shape, 1 target + 1 drafter rank (bench/trainer_h200.sh,
+#           compiled), then the 2-GPU trainer test if BUDGET seconds leave room.
 #   PART=3: both GPUs: the drafter step over 30 steps (the prefetch queue drains, so a slow feeder would show) with
 #           torch's and with FLEX_BEST flex options; then train_dflash.py, compiled and eager, STEPS=100.
 #   PART=4: OMP_NUM_THREADS=1 (as under torchrun): the drafter step over 40 steps, torch's and FLEX_BEST flex
@@ -17,10 +17,29 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/throughput}
 PY=${PY:-python3}
+ASSETS=${ASSETS:-/tmp/bench_assets}
+RUNS=${RUNS:-/tmp/trainer_runs}      # checkpoints (~13 GB each at this shape) stay outside OUT
+FB=${FLEX_BEST:-"{}"}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
 B="$PY -m bench.bench_dflash"
-if [[ ${PART:-1} == 1 ]]; then
+T0=$(date +%s)
+left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
+
+# drafter NAME TIMEOUT ARGS...: the drafter step, compiled layers, into OUT/NAME.{txt,json}
+drafter() { local name=$1 t=$2; shift 2
+    timeout "$t" $B --mode drafter --compile-drafter layers "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1; }
+cuda_tests() {   # the single-GPU CUDA tests, appended to OUT/$1
+    timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py >> "$OUT/$1" 2>&1
+    timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/$1" 2>&1; }
+assets() { [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1; }
+trainer() {      # trainer STEPS MODES TIMEOUT: bench/trainer_h200.sh, its metrics copied into OUT
+    STEPS=$1 MODES=$2 timeout "$3" bash bench/trainer_h200.sh "$ASSETS" "$RUNS" > "$OUT/trainer.txt" 2>&1
+    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
+    rm -rf "$RUNS"; }
+
+case ${PART:-1} in
+1)
     (
         export CUDA_VISIBLE_DEVICES=0
         timeout 300 $B --mode flex --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1
@@ -35,94 +54,42 @@ EOF
 )
         BEST=${BEST:-"{}"}
         echo "best flex options: $BEST" >> "$OUT/flex.txt"
-        timeout 200 $B --mode drafter --compile-drafter layers --flex-options "$BEST" --steps 8 \
-            --json "$OUT/drafter_layers_bestflex.json" > "$OUT/drafter_layers_bestflex.txt" 2>&1
+        drafter drafter_layers_bestflex 200 --flex-options "$BEST" --steps 8
     ) &
-    (
-        export CUDA_VISIBLE_DEVICES=1
-        timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
-        timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/tests_cuda.txt" 2>&1
-        timeout 180 $B --mode drafter --compile-drafter layers --steps 8 --profile 1 \
-            --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
-    ) &
+    ( export CUDA_VISIBLE_DEVICES=1; cuda_tests tests_cuda.txt; drafter drafter_layers 180 --steps 8 --profile 1 ) &
+    wait ;;
+2)
+    ( export CUDA_VISIBLE_DEVICES=0; assets ) &
+    ( export CUDA_VISIBLE_DEVICES=1; cuda_tests tests_cuda.txt; drafter drafter_layers 180 --steps 8 --profile 1 ) &
     wait
-elif [[ ${PART} == 5 ]]; then
-    # the final code: the GPU tests, then the trainer at the benchmark shape (compiled roles)
-    ASSETS=${ASSETS:-/tmp/bench_assets}
-    timeout 120 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
+    trainer "${STEPS:-60}" "${MODES:-layers}" $(( $(left) - ${KEEP_S:-0} ))
+    (( $(left) > 60 )) && timeout "$(left)" $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1 ;;
+3)
+    ( export CUDA_VISIBLE_DEVICES=0; drafter drafter_layers30 200 --steps 30 --profile 1 ) &
+    ( export CUDA_VISIBLE_DEVICES=1; assets; drafter drafter_layers30_flex 170 --steps 30 --flex-options "$FB" ) &
+    wait
+    trainer "${STEPS:-100}" "${MODES:-layers off}" "$(left)" ;;
+4)
+    export OMP_NUM_THREADS=1     # as torchrun sets it for every rank: the feeder's CPU work as in the trainer
     (
         export CUDA_VISIBLE_DEVICES=0
-        timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
-        [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1
-    ) &
-    ( CUDA_VISIBLE_DEVICES=1 timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda > "$OUT/tests_compile.txt" 2>&1 ) &
-    wait
-    RUNS=${RUNS:-/tmp/trainer_runs}
-    STEPS=${STEPS:-60} MODES=${MODES:-layers} timeout ${TRAIN_TIMEOUT:-240} bash bench/trainer_h200.sh "$ASSETS" "$RUNS" \
-        > "$OUT/trainer.txt" 2>&1
-    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
-    rm -rf "$RUNS"
-elif [[ ${PART} == 4 ]]; then
-    # OMP_NUM_THREADS=1 as torchrun sets it for every rank: the feeder's CPU work as in the trainer
-    export OMP_NUM_THREADS=1
-    (
-        export CUDA_VISIBLE_DEVICES=0
-        timeout 200 $B --mode drafter --compile-drafter layers --steps 40 \
-            --json "$OUT/drafter_layers40.json" > "$OUT/drafter_layers40.txt" 2>&1
+        drafter drafter_layers40 200 --steps 40
         timeout 200 $B --mode target --compile --mixed --steps 10 \
             --json "$OUT/target_compile_mixed.json" > "$OUT/target_compile_mixed.txt" 2>&1
     ) &
     (
         export CUDA_VISIBLE_DEVICES=1
-        FB=${FLEX_BEST:-"{}"}
-        timeout 200 $B --mode drafter --compile-drafter layers --steps 40 --flex-options "$FB" \
-            --json "$OUT/drafter_layers40_flex.json" > "$OUT/drafter_layers40_flex.txt" 2>&1
-        timeout 200 $B --mode drafter --compile-drafter layers --mixed --steps 20 \
-            --json "$OUT/drafter_layers_mixed.json" > "$OUT/drafter_layers_mixed.txt" 2>&1
+        drafter drafter_layers40_flex 200 --steps 40 --flex-options "$FB"
+        drafter drafter_layers_mixed 200 --mixed --steps 20
     ) &
+    wait ;;
+5)
+    timeout 120 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
+    ( export CUDA_VISIBLE_DEVICES=0; timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+      assets ) &
+    ( CUDA_VISIBLE_DEVICES=1 timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda > "$OUT/tests_compile.txt" 2>&1 ) &
     wait
-elif [[ ${PART} == 3 ]]; then
-    T0=$(date +%s); left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
-    ASSETS=${ASSETS:-/tmp/bench_assets}
-    (
-        export CUDA_VISIBLE_DEVICES=0
-        timeout 200 $B --mode drafter --compile-drafter layers --steps 30 --profile 1 \
-            --json "$OUT/drafter_layers30.json" > "$OUT/drafter_layers30.txt" 2>&1
-    ) &
-    (
-        export CUDA_VISIBLE_DEVICES=1
-        [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1
-        FB=${FLEX_BEST:-"{}"}
-        timeout 170 $B --mode drafter --compile-drafter layers --steps 30 --flex-options "$FB" \
-            --json "$OUT/drafter_layers30_flex.json" > "$OUT/drafter_layers30_flex.txt" 2>&1
-    ) &
-    wait
-    RUNS=${RUNS:-/tmp/trainer_runs}
-    STEPS=${STEPS:-100} MODES=${MODES:-"layers off"} timeout $(left) bash bench/trainer_h200.sh "$ASSETS" "$RUNS" \
-        > "$OUT/trainer.txt" 2>&1
-    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
-    rm -rf "$RUNS"
-else
-    T0=$(date +%s); left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
-    ASSETS=${ASSETS:-/tmp/bench_assets}
-    (
-        export CUDA_VISIBLE_DEVICES=0
-        [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1
-    ) &
-    (
-        export CUDA_VISIBLE_DEVICES=1
-        timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py > "$OUT/tests_cuda.txt" 2>&1
-        timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/tests_cuda.txt" 2>&1
-        timeout 180 $B --mode drafter --compile-drafter layers --steps 8 --profile 1 \
-            --json "$OUT/drafter_layers.json" > "$OUT/drafter_layers.txt" 2>&1
-    ) &
-    wait
-    # checkpoints (~13 GB each at this shape) stay outside OUT; the logs and metrics are copied in
-    RUNS=${RUNS:-/tmp/trainer_runs}
-    STEPS=${STEPS:-60} MODES=${MODES:-layers} timeout $(( $(left) - ${KEEP_S:-0} )) bash bench/trainer_h200.sh \
-        "$ASSETS" "$RUNS" > "$OUT/trainer.txt" 2>&1
-    for m in layers off; do [[ -f "$RUNS/$m/metrics.jsonl" ]] && cp "$RUNS/$m/metrics.jsonl" "$OUT/trainer_$m.jsonl"; done
-    rm -rf "$RUNS"
-    (( $(left) > 60 )) && timeout $(left) $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
-fi
+    trainer "${STEPS:-60}" "${MODES:-layers}" "${TRAIN_TIMEOUT:-240}" ;;
+*)  echo "PART must be 1..5" >&2; exit 2 ;;
+esac
 echo "part ${PART:-1} done"
