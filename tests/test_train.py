@@ -255,3 +255,15 @@ def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
     for p, q in zip(ref, got):
         torch.testing.assert_close(q.grad, p.grad)
     assert got[-1].grad is None
+
+
+def test_busy_clock_skips_the_warmup_units():
+    sys.path.insert(0, str(REPO))
+    import time
+    import train_dflash as td
+    clock = td.BusyClock(torch.device("cpu"), skip=2)
+    for tokens, wait in [(100, 0.05), (200, 0.05), (300, 0.0)]:      # the first two stand for compile steps
+        t0 = clock.start()
+        time.sleep(wait)
+        clock.stop(t0, tokens)
+    assert clock.poll()["busy_tok"] == 300 and clock.poll()["busy_s"] < 0.04
