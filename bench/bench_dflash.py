@@ -427,10 +427,18 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+def synthetic_packet(c, lengths, g):
+    """What a drafter rank receives for micro-batch g of these sequence lengths: tokens packed, random features."""
+    from pipe import Packet
+    ids, mask, attn, n = make_batch(lengths, c.sizes.V, c.mask_id, g)
+    keep = attn.bool()
+    feats = torch.randn(int(n.sum()), c.dcfg.num_taps * c.sizes.H, device=c.device, dtype=c.dtype)   # [T, K*H]
+    return Packet(g, n, ids[keep], mask[keep], feats)
+
+
 def bench_drafter(args, c) -> dict:
     from model.attention import warmup_flex_attention
     from model.objective import pack, sample_anchors
-    from pipe import Packet
     t0 = time.time()
     rig = DrafterRig(c, args.seed, args.compile_drafter)
     build_s = time.time() - t0
@@ -441,14 +449,8 @@ def bench_drafter(args, c) -> dict:
                               c.dcfg.head_dim, c.dcfg.block_size)
         compile_s = time.time() - t0
     lens = batch_lengths(args, 64)
-    K, H = c.dcfg.num_taps, c.sizes.H
-
-    def make_packet(g):
-        ids, mask, attn, n = make_batch(lens[g % len(lens)], c.sizes.V, c.mask_id, g)
-        keep = attn.bool()
-        feats = torch.randn(int(n.sum()), K * H, device=c.device, dtype=c.dtype)            # [T, K*H]
-        return Packet(g, n, ids[keep], mask[keep], feats)
-    feeder = Feeder(make_packet, td.make_prepare(c.dcfg, c.device, c.flex), c.device, td.Q_HS)
+    feeder = Feeder(lambda g: synthetic_packet(c, lens[g % len(lens)], g), td.make_prepare(c.dcfg, c.device, c.flex),
+                    c.device, td.Q_HS)
     feeder.start()
     try:
         t0 = time.time()
@@ -471,7 +473,7 @@ def bench_drafter(args, c) -> dict:
         prof = profile(args.profile, lambda: rig.step(feeder.get()), c)
     finally:
         feeder.stop()
-    B, L = c.dcfg.block_size, c.dcfg.num_hidden_layers
+    B, L, K = c.dcfg.block_size, c.dcfg.num_hidden_layers, c.dcfg.num_taps
     flops, samples, tokens = {}, 0, 0
     for g, n, loss_mask, T, N, R in items:
         doc_ids, positions = pack(n)
@@ -522,13 +524,7 @@ def bench_flex(args, c) -> dict:
         raise SystemExit("--mode flex needs a GPU: flex_attention has no backward on the CPU")
     cands = dict(FLEX_CANDIDATES) if not args.flex_options else \
         {"default": None, "given": json.loads(args.flex_options)}
-    lens = batch_lengths(args, 1)[0]
-    ids, mask, attn, n = make_batch(lens, c.sizes.V, c.mask_id, 0)
-    keep = attn.bool()
-    from pipe import Packet
-    K, H = c.dcfg.num_taps, c.sizes.H
-    item = td.make_prepare(c.dcfg, c.device, c.flex)(
-        Packet(0, n, ids[keep], mask[keep], torch.zeros(int(n.sum()), K * H, device=c.device, dtype=c.dtype)))
+    item = td.make_prepare(c.dcfg, c.device, c.flex)(synthetic_packet(c, batch_lengths(args, 1)[0], 0))
     bm = item.attn.full
     q_len, kv_len = bm.seq_lengths
     nh, nkv, D, B = c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads, c.dcfg.head_dim, c.dcfg.block_size
@@ -809,9 +805,8 @@ def report(res, c) -> str:
             " / ".join(f"{v:.4g}" for k, v in d["tflop_per_step"].items() if k != "total")
             + f" (total {d['tflop_per_step']['total']:.4g})")
         row("drafter", "prepare ms on the feeder thread, wall (median) / its CPU time (median); main thread queue "
-                       "wait ms per step", f"{d['prepare_ms']:.1f} ({d.get('prepare_med_ms', float('nan')):.1f}) / "
-                                           f"{d.get('prepare_cpu_ms', float('nan')):.1f} "
-                                           f"({d.get('prepare_cpu_med_ms', float('nan')):.1f}); "
+                       "wait ms per step", f"{d['prepare_ms']:.1f} ({d['prepare_med_ms']:.1f}) / "
+                                           f"{d['prepare_cpu_ms']:.1f} ({d['prepare_cpu_med_ms']:.1f}); "
                                            f"{d['queue_wait_ms']:.1f}")
         row("drafter", "peak GiB measured / estimate (estimate/measured)", _vs(d["peak_mem_bytes"], est["drafter"]))
         if d["saved_bytes"]:

@@ -119,10 +119,14 @@ def block_mask_to(bm: BlockMask, device) -> BlockMask:
     return out
 
 
+def _pad_unit(pad_to, device) -> int:
+    """block_mask's default padding: flex's tile for a GPU mask, none on the CPU."""
+    return pad_to if pad_to is not None else (FLEX_BLOCK if torch.device(device).type == "cuda" else 1)
+
+
 def _padded(n, pad_to, device):
-    if pad_to is None:
-        pad_to = FLEX_BLOCK if torch.device(device).type == "cuda" else 1
-    return -(-n // pad_to) * pad_to
+    unit = _pad_unit(pad_to, device)
+    return -(-n // unit) * unit
 
 
 def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
@@ -151,8 +155,7 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     runs = runs[runs >= 0]                                                               # padding (-1) may repeat
     if runs.numel() != torch.unique(runs).numel() or N == 0:
         return block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
-                                    pad_to if pad_to is not None else (FLEX_BLOCK if device.type == "cuda" else 1)
-                                    ).to(device)
+                                    _pad_unit(pad_to, device)).to(device)
     TILE = FLEX_BLOCK
     q_tiles = -(-q_len // TILE)
     kv_tiles = -(-kv_len // TILE)
