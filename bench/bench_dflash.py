@@ -18,6 +18,7 @@ Every mode prints the planner's memory estimate (planner.py) next to the measure
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -357,11 +358,17 @@ class Feeder(threading.Thread):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0, compile_mode="off"):
+    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", static=False):
         from model.drafter import compile_drafter
+        from model.objective import set_ce_kernel
         self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
+        set_ce_kernel(ce_kernel)
+        if static:   # experiment: each layer compiled for one shape (fixed-length batches only)
+            assert compile_mode == "layers", "--static-layers needs --compile-drafter layers"
+            for layer in self.drafter.layers:
+                layer.compile(dynamic=False)
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
         params = list(self.drafter.parameters())
         self.params = params
@@ -440,7 +447,7 @@ def bench_drafter(args, c) -> dict:
     from model.attention import warmup_flex_attention
     from model.objective import pack, sample_anchors
     t0 = time.time()
-    rig = DrafterRig(c, args.seed, args.compile_drafter)
+    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, args.static_layers)
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
@@ -494,7 +501,8 @@ def bench_drafter(args, c) -> dict:
            "prepare_cpu_ms": 1e3 * sum(feeder.prepare_cpu_s) / max(1, len(feeder.prepare_cpu_s)),
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
-           "compile_drafter": args.compile_drafter, "profile": prof}
+           "compile_drafter": args.compile_drafter, "ce_kernel": args.ce_kernel, "static_layers": args.static_layers,
+           "profile": prof}
     out.update(c.mfu(out["tflops"]))
     del rig, feeder
     c.free()
@@ -520,10 +528,14 @@ def bench_flex(args, c) -> dict:
     (the trainer's prepare), for each kernel_options candidate (--flex-options: only that one, against the
     default). Each candidate compiles its own kernels (~10-30 s)."""
     from torch.nn.attention.flex_attention import flex_attention
+    from model.attention import flex_kernel_options
     if not c.flex:
         raise SystemExit("--mode flex needs a GPU: flex_attention has no backward on the CPU")
     cands = dict(FLEX_CANDIDATES) if not args.flex_options else \
         {"default": None, "given": json.loads(args.flex_options)}
+    if args.flex_variants:   # the ways the step's call differs from the standalone one, one at a time
+        cands = {"default": None, "dynamic shapes + IS_DIVISIBLE (the compiled layer's call)": "dynamic",
+                 "q/k/v strided as in the layer ([1, S, H, D].transpose(1, 2))": "strided"}
     item = td.make_prepare(c.dcfg, c.device, c.flex)(synthetic_packet(c, batch_lengths(args, 1)[0], 0))
     bm = item.attn.full
     q_len, kv_len = bm.seq_lengths
@@ -539,7 +551,13 @@ def bench_flex(args, c) -> dict:
     rows, ref = [], None
     for name, opts in cands.items():
         torch._dynamo.reset()
-        fn = torch.compile(flex_attention)
+        fn = torch.compile(flex_attention, dynamic=opts == "dynamic")
+        q, k, v = (x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() if opts == "strided"
+                   else x.detach().contiguous().requires_grad_() for x in (q, k, v))
+        if opts == "dynamic":
+            opts = flex_kernel_options(q_len, kv_len, True)
+        elif opts == "strided":
+            opts = None
         t0 = time.time()
         try:
             out = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
@@ -580,6 +598,40 @@ def bench_flex(args, c) -> dict:
               flush=True)
     torch._dynamo.reset()
     return {"q_len": q_len, "kv_len": kv_len, "visible_pairs": pairs, "heads": [nh, nkv, D], "rows": rows}
+
+
+def bench_ce(args, c) -> dict:
+    """The CE epilogue alone on one [CE_CHUNK, V] chunk of bf16 logits, per kernel: ms, the bandwidth of its
+    minimum traffic (one read and one write of the chunk), and its largest difference from the eager epilogue."""
+    from model import ce_kernel, objective
+    rows_n, V = td.CE_CHUNK, c.sizes.V
+    g = torch.Generator(device=c.device).manual_seed(0)
+    logits = (torch.randn(rows_n, V, device=c.device, generator=g) * 2).to(c.dtype)
+    y = torch.randint(0, V, (rows_n,), device=c.device, generator=g)
+    w = torch.rand(rows_n, device=c.device, generator=g)
+    kernels = {"eager": objective._eager_epilogue, "compiled": torch.compile(objective._ce_epilogue, dynamic=True)}
+    if ce_kernel.available(logits):
+        kernels["triton"] = ce_kernel.ce_epilogue
+        for block, warps in ((2048, 4), (8192, 8), (8192, 16)):   # the kernel's block / warps, against its default
+            kernels[f"triton {block}/{warps}"] = functools.partial(ce_kernel.ce_epilogue, block=block, num_warps=warps)
+    ref = objective._eager_epilogue(logits.clone(), y, w, True)
+    out = {"rows": rows_n, "vocab": V, "kernels": {}}
+    for name, fn in kernels.items():
+        got = fn(logits.clone(), y, w, True)
+        diff = max(float((got[0] - ref[0]).abs()), float((got[2].float() - ref[2].float()).abs().max()))
+        same_argmax = bool(torch.equal(got[1], ref[1]))
+        buf = logits.clone()
+        for _ in range(3):
+            fn(buf, y, w, True)
+        timer = Timer(c.device)
+        timer.start()
+        for _ in range(args.steps):
+            fn(buf, y, w, True)
+        ms = 1e3 * timer.stop() / args.steps
+        out["kernels"][name] = {"ms": ms, "gb_s": 2 * logits.numel() * logits.element_size() / ms / 1e6,
+                                "max_abs_diff_vs_eager": diff, "same_argmax": same_argmax}
+        print(f"CE epilogue {name}: {ms:.3f} ms per [{rows_n}, {V}] chunk, max |diff| vs eager {diff:.3g}", flush=True)
+    return out
 
 
 def _median(xs):
@@ -813,8 +865,9 @@ def report(res, c) -> str:
             row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
                 f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est['drafter']))}, "
                 f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est['drafter'], 'bf16 copies'))}")
-        row("drafter", "COMPILE_DRAFTER, flex compile s, build s, warmup s",
-            f"{d['compile_drafter']}, {d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}")
+        row("drafter", "COMPILE_DRAFTER (static), CE kernel, flex compile s, build s, warmup s",
+            f"{d['compile_drafter']}{' (static)' if d['static_layers'] else ''}, {d['ce_kernel']}, "
+            f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}")
     p = res.get("pipeline")
     if p and "error" not in p and "commands" not in p:
         row("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})")
@@ -860,6 +913,14 @@ def report(res, c) -> str:
     if gpu_mem:
         errs = planner.check_fits(res["plan_full"], gpu_mem)
         lines.append("planner.check_fits on this GPU: " + ("fits" if not errs else "; ".join(errs)))
+    ce = res.get("ce")
+    if ce and "error" not in ce:
+        lines += ["", f"(b'') the CE epilogue alone, one [{ce['rows']}, {ce['vocab']}] chunk of logits",
+                  "| kernel | ms | GB/s of one read + one write | max abs diff vs eager | argmax == eager's |",
+                  "|---|---:|---:|---:|---|"]
+        for name, r in ce["kernels"].items():
+            lines.append(f"| {name} | {r['ms']:.3f} | {r['gb_s']:.0f} | {r['max_abs_diff_vs_eager']:.3g} | "
+                         f"{r['same_argmax']} |")
     fx = res.get("flex")
     if fx and "error" not in fx:
         lines += ["", f"(b') one drafter layer's flex_attention on the bench mask: q {fx['q_len']}, kv {fx['kv_len']}, "
@@ -968,7 +1029,7 @@ def environment(c) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["target", "drafter", "pipeline", "flex", "all"], default="all",
+    ap.add_argument("--mode", choices=["target", "drafter", "pipeline", "flex", "ce", "all"], default="all",
                     help="all = target, drafter, pipeline; flex (only when named): kernel_options sweep of one "
                          "drafter layer's flex_attention")
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
@@ -984,6 +1045,12 @@ def parse_args(argv):
     ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer (COMPILE_TARGET)")
     ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
+    ap.add_argument("--ce-kernel", default="auto", choices=["auto", "triton", "compiled", "eager"],
+                    help="the CE epilogue (model.objective.set_ce_kernel); auto = the Triton kernel on GPU")
+    ap.add_argument("--flex-variants", action="store_true",
+                    help="--mode flex: static vs dynamic shapes and contiguous vs the layer's strided q/k/v")
+    ap.add_argument("--static-layers", action="store_true",
+                    help="experiment: compile each drafter layer for one static shape (fixed lengths only)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile N more steps and print the top CUDA kernels (torch.profiler)")
     ap.add_argument("--target-attn", default=None, help="HF attn_implementation of the target (default: HF's pick, "
@@ -1047,7 +1114,8 @@ def run(args) -> dict:
         c.peak_tflops = res["peak_tflops"] = peak_matmul_tflops(c.device, c.dtype)
     failed = False
     for mode in modes:
-        fn = {"target": bench_target, "drafter": bench_drafter, "pipeline": bench_pipeline, "flex": bench_flex}[mode]
+        fn = {"target": bench_target, "drafter": bench_drafter, "pipeline": bench_pipeline, "flex": bench_flex,
+              "ce": bench_ce}[mode]
         try:
             out = fn(args, c)
         except Exception as e:  # noqa: BLE001 - one mode's failure must not lose the others' numbers

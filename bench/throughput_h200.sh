@@ -12,6 +12,12 @@
 #   PART=4: OMP_NUM_THREADS=1 (as under torchrun): the drafter step over 40 steps, torch's and FLEX_BEST flex
 #           options, then the mixed-length runs of the compiled target and drafter.
 #   PART=5: the GPU tests on the final code, then the trainer at the benchmark shape, compiled, STEPS=60.
+#   Fourth round (fourth session):
+#   PART=6: OMP_NUM_THREADS=1. GPU 0: the CE epilogue alone (--mode ce), then the drafter step over 40 steps with
+#           the compiled CE (the third round's code), the Triton CE kernel, and the Triton kernel with each layer
+#           compiled for one static shape. GPU 1: the CUDA tests (CE kernel, flex, compiled drafter), flex static vs
+#           dynamic vs strided (--mode flex --flex-variants), the drafter step with the Triton CE under the profiler.
+#           Then the 2-GPU trainer test.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +36,7 @@ left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
 drafter() { local name=$1 t=$2; shift 2
     timeout "$t" $B --mode drafter --compile-drafter layers "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1; }
 cuda_tests() {   # the single-GPU CUDA tests, appended to OUT/$1
+    timeout 100 $PY -m pytest -q -s tests/test_ce_kernel.py >> "$OUT/$1" 2>&1
     timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py >> "$OUT/$1" 2>&1
     timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/$1" 2>&1; }
 assets() { [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1; }
@@ -90,6 +97,24 @@ EOF
     ( CUDA_VISIBLE_DEVICES=1 timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda > "$OUT/tests_compile.txt" 2>&1 ) &
     wait
     trainer "${STEPS:-60}" "${MODES:-layers}" "${TRAIN_TIMEOUT:-240}" ;;
-*)  echo "PART must be 1..5" >&2; exit 2 ;;
+6)
+    export OMP_NUM_THREADS=1
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 120 $B --mode ce --steps 20 --json "$OUT/ce.json" > "$OUT/ce.txt" 2>&1
+        drafter drafter_ce_compiled 150 --steps 40 --ce-kernel compiled
+        drafter drafter_ce_triton 150 --steps 40 --ce-kernel triton
+        drafter drafter_static 150 --steps 40 --ce-kernel triton --static-layers
+        drafter drafter_triton_mixed 150 --steps 20 --ce-kernel triton --mixed
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        cuda_tests tests_cuda.txt
+        timeout 150 $B --mode flex --flex-variants --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1
+        drafter drafter_triton_prof 150 --steps 10 --ce-kernel triton --profile 1
+    ) &
+    wait
+    timeout "$(left)" $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1 ;;
+*)  echo "PART must be 1..6" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"

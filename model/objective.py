@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model import ce_kernel
+
 
 def pack(lengths):
     """lengths [b] -> doc_ids [T], positions [T] (position inside its own sequence)."""
@@ -122,6 +124,8 @@ def _eager_epilogue(logits, y, w, need_grad):
 
 
 _compiled_epilogue = None   # set by use_compiled_ce(True): torch.compile(_ce_epilogue)
+CE_KERNELS = ("auto", "triton", "compiled", "eager")
+_ce_kernel = "auto"         # auto: the Triton kernel (model.ce_kernel) on GPU tensors, the eager epilogue elsewhere
 
 
 def use_compiled_ce(on: bool) -> None:
@@ -129,6 +133,22 @@ def use_compiled_ce(on: bool) -> None:
     model.drafter.compile_drafter: every mode but "off" compiles it. Call on the main thread before the first step."""
     global _compiled_epilogue
     _compiled_epilogue = torch.compile(_ce_epilogue, dynamic=True) if on else None
+
+
+def set_ce_kernel(kind: str) -> None:
+    """Which epilogue the chunked CE runs: auto | triton | compiled (torch.compile of _ce_epilogue) | eager."""
+    global _ce_kernel
+    assert kind in CE_KERNELS, f"CE kernel {kind!r} is not one of {CE_KERNELS}"
+    _ce_kernel = kind
+    use_compiled_ce(kind == "compiled")
+
+
+def _pick_epilogue(logits, need_grad):
+    if _ce_kernel in ("auto", "triton") and ce_kernel.available(logits):
+        return ce_kernel.ce_epilogue
+    if need_grad and _compiled_epilogue is not None:
+        return _compiled_epilogue
+    return _eager_epilogue
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -144,10 +164,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_W = torch.zeros_like(W, dtype=torch.float32) if want_gW else None
         need_grad = grad_h is not None or grad_W is not None
-        epilogue = _compiled_epilogue if need_grad and _compiled_epilogue is not None else _eager_epilogue
         for s in range(0, h.shape[0], chunk_size):
             hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w[s:s + chunk_size].float()
-            loss_c, correct[s:s + chunk_size], g = epilogue(hc @ W.T, yc, wc, need_grad)
+            logits = hc @ W.T                                                    # [c, V]
+            loss_c, correct[s:s + chunk_size], g = _pick_epilogue(logits, need_grad)(logits, yc, wc, need_grad)
             loss += loss_c
             if g is None:
                 continue

@@ -1,0 +1,87 @@
+"""The Triton CE epilogue (model/ce_kernel.py) against the eager epilogue: loss, argmax == label (ties go to the
+first index, as torch.argmax), and dL/dlogits. On CPU through Triton's interpreter (a subprocess with
+TRITON_INTERPRET=1, which Triton reads at import), on a GPU compiled, at the real vocabulary size."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (CPU-only platforms without wheels)")
+
+
+def check_epilogue(device, dtype, c, V, block):
+    """The kernel == the eager epilogue on one chunk with ties inside a block and across blocks."""
+    from model import ce_kernel, objective
+    g = torch.Generator().manual_seed(c * V)
+    x = (torch.randn(c, V, generator=g) * 4).to(dtype).to(device)
+    top = x.float().max() + 1
+    x[0, 3] = x[0, 5] = top                          # tie inside the first block: 3 wins
+    x[1, 2] = x[1, V - 1] = top                      # tie across blocks, different lanes: 2 wins
+    x[2, 7] = x[2, 7 + block] = top                  # tie across blocks in the same lane: 7 wins
+    y = torch.randint(0, V, (c,), generator=g).to(device)
+    y[0], y[1], y[2], y[3] = 3, 2, 7, int(x[3].float().argmax())
+    w = (torch.rand(c, generator=g) * (torch.rand(c, generator=g) > 0.2)).to(device)
+    ref = objective._eager_epilogue(x.clone(), y, w, True)
+    for need_grad in (True, False):
+        got = ce_kernel.ce_epilogue(x.clone(), y, w, need_grad, block=block)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[1], ref[1]), "argmax == label differs"
+        assert got[1][:4].all(), "ties resolve to the first index"
+        if need_grad:
+            assert got[2].dtype == dtype
+            tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=8e-3)  # bf16: 1 ulp at 1
+            torch.testing.assert_close(got[2].float(), ref[2].float(), **tol)
+        else:
+            assert got[2] is None
+
+
+def check_weighted_ce(device, dtype):
+    """The whole chunked CE with the kernel == with the eager epilogue: loss, correct, grads of hidden."""
+    from model import objective
+    torch.manual_seed(1)
+    M, H, V = 45, 16, 301
+    hidden, W = torch.randn(M, H).to(dtype).to(device), (torch.randn(V, H) * 0.5).to(dtype).to(device)
+    labels = torch.randint(0, V, (M,)).to(device)
+    weights = (torch.rand(M) * (torch.rand(M) > 0.3)).to(device)
+
+    def run(kind):
+        objective.set_ce_kernel(kind)
+        h = hidden.clone().requires_grad_()
+        p = objective.weighted_ce(h, W, labels, weights, chunk_size=16)      # 3 chunks, the last one short
+        (p.loss_sum * 0.7).backward()
+        return p.loss_sum.detach(), p.correct, h.grad
+
+    try:
+        ref, got = run("eager"), run("triton")
+    finally:
+        objective.set_ce_kernel("auto")
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    assert torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2], **tol)
+
+
+def interpreted():
+    for dtype in (torch.float32, torch.bfloat16):
+        check_epilogue("cpu", dtype, c=6, V=301, block=128)     # the last block of each row is partial
+        check_weighted_ce("cpu", dtype)
+    print("ok")
+
+
+def test_kernel_matches_eager_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kernel_matches_eager_cuda():
+    check_epilogue("cuda", torch.bfloat16, c=64, V=151936, block=4096)
+    check_epilogue("cuda", torch.float32, c=8, V=1000, block=4096)
+    check_weighted_ce("cuda", torch.bfloat16)
+
+
+if __name__ == "__main__":
+    interpreted()
