@@ -398,7 +398,7 @@ class DrafterRig:
         self.sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(),
                                   bm["acc_num"].double(), bm["acc_den"].double(), bm["streak_num"].double(),
                                   bm["streak_den"].double()])
-        td.scale_clip_(self.params, (1.0 / self.step_w.clamp(min=1e-12)).float(), td.GRAD_CLIP)
+        td.scale_clip_(self.params, (1.0 / self.step_w.clamp(min=1e-12)).float(), td.GRAD_CLIP, self.opt)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step_w.zero_()
@@ -612,7 +612,7 @@ def bench_ce(args, c) -> dict:
     kernels = {"eager": objective._eager_epilogue, "compiled": torch.compile(objective._ce_epilogue, dynamic=True)}
     if ce_kernel.available(logits):
         kernels["triton"] = ce_kernel.ce_epilogue
-        for block, warps in ((2048, 4), (8192, 8), (8192, 16)):   # the kernel's block / warps, against its default
+        for block, warps in ((4096, 8), (1024, 4), (2048, 8)):   # the kernel's block / warps, against its default
             kernels[f"triton {block}/{warps}"] = functools.partial(ce_kernel.ce_epilogue, block=block, num_warps=warps)
     ref = objective._eager_epilogue(logits.clone(), y, w, True)
     out = {"rows": rows_n, "vocab": V, "kernels": {}}

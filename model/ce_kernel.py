@@ -13,12 +13,12 @@ try:
 except ImportError:          # CPU-only installs without triton: the eager epilogue is used
     triton = None
 
-BLOCK, NUM_WARPS = 4096, 8   # vocabulary columns per loop iteration (one row per program), warps per program
+BLOCK, NUM_WARPS = 2048, 4   # vocabulary columns per loop iteration (one row per program), warps per program
 
 
 if triton is not None:
     @triton.jit
-    def _ce_rows(x_ptr, y_ptr, w_ptr, lse_ptr, xy_ptr, arg_ptr, V, stride, BLOCK: tl.constexpr,
+    def _ce_rows(x_ptr, y_ptr, w_ptr, lse_ptr, xy_ptr, arg_ptr, stride, V: tl.constexpr, BLOCK: tl.constexpr,
                  WRITE_GRAD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
@@ -68,7 +68,7 @@ def ce_epilogue(logits, y, w, need_grad, block=BLOCK, num_warps=NUM_WARPS):
     xy = torch.empty_like(lse)
     arg = torch.empty(c, dtype=torch.int32, device=logits.device)
     if c:
-        _ce_rows[(c,)](logits, y, w, lse, xy, arg, V, logits.stride(0), BLOCK=block, WRITE_GRAD=need_grad,
+        _ce_rows[(c,)](logits, y, w, lse, xy, arg, logits.stride(0), V=V, BLOCK=block, WRITE_GRAD=need_grad,
                        num_warps=num_warps)
     loss = ((lse - xy) * w).sum()
     return loss, arg.long() == y, logits if need_grad else None

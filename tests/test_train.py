@@ -257,6 +257,37 @@ def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
     assert got[-1].grad is None
 
 
+def test_scale_clip_hands_the_factor_to_a_fused_optimizer():
+    """With a fused AdamW (the trainer's on GPU; fused AdamW runs on CPU too) the factor goes to the optimizer's
+    grad_scale instead of a multiply: the updated parameters equal mul_ + clip_grad_norm_ + a plain step's."""
+    sys.path.insert(0, str(REPO))
+    import train_dflash as td
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    scale = torch.tensor([0.37])
+    for max_norm in (1e-3, 1e3):
+        ps = {k: [torch.nn.Parameter(x.clone()) for x in init] for k in ("ref", "got")}
+        opts = {k: torch.optim.AdamW(v, lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+                for k, v in ps.items()}
+        for _ in range(3):                                 # grad_scale is set again before every step
+            grads = [torch.randn(s, generator=g) * 5 for s in shapes]
+            for k in ps:
+                for p, x in zip(ps[k], grads):
+                    p.grad = x.clone()
+            for p in ps["ref"]:
+                p.grad.mul_(scale)
+            want = torch.nn.utils.clip_grad_norm_(ps["ref"], max_norm)
+            opts["ref"].step()
+            norm = td.scale_clip_(ps["got"], scale, max_norm, opts["got"])
+            torch.testing.assert_close(ps["got"][0].grad, grads[0], rtol=0, atol=0)   # left as they were
+            opts["got"].step()
+            torch.testing.assert_close(norm, want)
+            for p, q in zip(ps["ref"], ps["got"]):
+                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ps["got"][0], init[0]), "the parameters moved"
+
+
 def test_busy_clock_skips_the_warmup_units():
     sys.path.insert(0, str(REPO))
     import time
