@@ -570,10 +570,22 @@ def scale_clip_(params, scale, max_norm: float, opt=None):
     return total
 
 
+def mask_lengths(cfg, device, flex):
+    """The flex masks' fixed (Q_LEN, KV_LEN) on a GPU: MAX_ANCHORS blocks against TOKEN_BUDGET context rows, so
+    flex_attention compiles once, for static shapes. None (each mask its own length) for the CPU's masks."""
+    import torch
+    from model.attention import static_lengths
+    if not flex or torch.device(device).type != "cuda":
+        return None
+    return static_lengths(MAX_ANCHORS, cfg.block_size, TOKEN_BUDGET)
+
+
 def make_prepare(cfg, device, flex):
     """Packet -> Prepared: anchors and blocks planned on the CPU from (SEED, g), moved to the device once."""
     import torch
     from model.objective import make_blocks, pack, sample_anchors
+
+    lengths = mask_lengths(cfg, device, flex)
 
     def prepare(p):
         doc_ids, positions = pack(p.lengths)                                                    # [T], [T]
@@ -585,7 +597,7 @@ def make_prepare(cfg, device, flex):
         rows = (w > 0).nonzero().squeeze(1)                                                     # supervised slots
         from model.attention import make_attn_spec, to_device
         attn = make_attn_spec(blk.anchor_idx, blk.anchor_doc, doc_ids, cfg.block_size, cfg.layer_types,
-                              cfg.sliding_window, flex, device)          # a BlockMask is planned on the CPU
+                              cfg.sliding_window, flex, device, lengths)  # a BlockMask is planned on the CPU
         return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features,
                         lengths=p.lengths, input_ids=p.input_ids,
                         ctx_pos=to_device(positions, device), block_ids=to_device(blk.ids.flatten(), device),
@@ -903,7 +915,7 @@ def main(argv):
             set_flex_kernel_options(json.loads(FLEX_OPTIONS) if FLEX_OPTIONS else None)
             with Phase(d, "compile flex_attention (main thread, before worker threads)", watchdog):
                 warmup_flex_attention(d.device, d.dtype, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                                      dcfg.head_dim, dcfg.block_size)
+                                      dcfg.head_dim, dcfg.block_size, mask_lengths(dcfg, d.device, d.flex))
         prepare = make_prepare(dcfg, d.device, d.flex)
         if d.colocated:
             next_item = colocated_feed(d, data, sched, target, start_g, current_stop_g, prepare)

@@ -358,17 +358,13 @@ class Feeder(threading.Thread):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", static=False):
+    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto"):
         from model.drafter import compile_drafter
         from model.objective import set_ce_kernel
         self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         set_ce_kernel(ce_kernel)
-        if static:   # experiment: each layer compiled for one shape (fixed-length batches only)
-            assert compile_mode == "layers", "--static-layers needs --compile-drafter layers"
-            for layer in self.drafter.layers:
-                layer.compile(dynamic=False)
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
         params = list(self.drafter.parameters())
         self.params = params
@@ -447,13 +443,14 @@ def bench_drafter(args, c) -> dict:
     from model.attention import warmup_flex_attention
     from model.objective import pack, sample_anchors
     t0 = time.time()
-    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, args.static_layers)
+    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel)
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
         t0 = time.time()
         warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
-                              c.dcfg.head_dim, c.dcfg.block_size)
+                              c.dcfg.head_dim, c.dcfg.block_size,
+                              td.mask_lengths(c.dcfg, c.device, c.flex))
         compile_s = time.time() - t0
     lens = batch_lengths(args, 64)
     feeder = Feeder(lambda g: synthetic_packet(c, lens[g % len(lens)], g), td.make_prepare(c.dcfg, c.device, c.flex),
@@ -501,7 +498,7 @@ def bench_drafter(args, c) -> dict:
            "prepare_cpu_ms": 1e3 * sum(feeder.prepare_cpu_s) / max(1, len(feeder.prepare_cpu_s)),
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
-           "compile_drafter": args.compile_drafter, "ce_kernel": args.ce_kernel, "static_layers": args.static_layers,
+           "compile_drafter": args.compile_drafter, "ce_kernel": args.ce_kernel,
            "profile": prof}
     out.update(c.mfu(out["tflops"]))
     del rig, feeder
@@ -609,7 +606,7 @@ def bench_ce(args, c) -> dict:
     logits = (torch.randn(rows_n, V, device=c.device, generator=g) * 2).to(c.dtype)
     y = torch.randint(0, V, (rows_n,), device=c.device, generator=g)
     w = torch.rand(rows_n, device=c.device, generator=g)
-    kernels = {"eager": objective._eager_epilogue, "compiled": torch.compile(objective._ce_epilogue, dynamic=True)}
+    kernels = {"eager": objective._eager_epilogue}
     if ce_kernel.available(logits):
         kernels["triton"] = ce_kernel.ce_epilogue
         for block, warps in ((4096, 8), (1024, 4), (2048, 8)):   # the kernel's block / warps, against its default
@@ -750,7 +747,8 @@ def bench_pipeline(args, c) -> dict:
         if rig and c.flex:
             from model.attention import warmup_flex_attention
             warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
-                                  c.dcfg.head_dim, c.dcfg.block_size)
+                                  c.dcfg.head_dim, c.dcfg.block_size,
+                              td.mask_lengths(c.dcfg, c.device, c.flex))
         prepare = td.make_prepare(c.dcfg, c.device, c.flex) if rig else _Arrived
         receiver = Receiver(((g, 0) for g in range(n)), ctrl, data, c.device, td.Q_HS, watch, prepare)
         dist.barrier(group=ctrl)
@@ -865,8 +863,8 @@ def report(res, c) -> str:
             row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
                 f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est['drafter']))}, "
                 f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est['drafter'], 'bf16 copies'))}")
-        row("drafter", "COMPILE_DRAFTER (static), CE kernel, flex compile s, build s, warmup s",
-            f"{d['compile_drafter']}{' (static)' if d['static_layers'] else ''}, {d['ce_kernel']}, "
+        row("drafter", "COMPILE_DRAFTER, CE kernel, flex compile s, build s, warmup s",
+            f"{d['compile_drafter']}, {d['ce_kernel']}, "
             f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}")
     p = res.get("pipeline")
     if p and "error" not in p and "commands" not in p:
@@ -1045,12 +1043,10 @@ def parse_args(argv):
     ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer (COMPILE_TARGET)")
     ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
-    ap.add_argument("--ce-kernel", default="auto", choices=["auto", "triton", "compiled", "eager"],
+    ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],
                     help="the CE epilogue (model.objective.set_ce_kernel); auto = the Triton kernel on GPU")
     ap.add_argument("--flex-variants", action="store_true",
                     help="--mode flex: static vs dynamic shapes and contiguous vs the layer's strided q/k/v")
-    ap.add_argument("--static-layers", action="store_true",
-                    help="experiment: compile each drafter layer for one static shape (fixed lengths only)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile N more steps and print the top CUDA kernels (torch.profiler)")
     ap.add_argument("--target-attn", default=None, help="HF attn_implementation of the target (default: HF's pick, "

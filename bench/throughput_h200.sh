@@ -17,7 +17,13 @@
 #           the compiled CE (the third round's code), the Triton CE kernel, and the Triton kernel with each layer
 #           compiled for one static shape. GPU 1: the CUDA tests (CE kernel, flex, compiled drafter), flex static vs
 #           dynamic vs strided (--mode flex --flex-variants), the drafter step with the Triton CE under the profiler.
-#           Then the 2-GPU trainer test.
+#           Then the 2-GPU trainer test. (Run at e8b272f, when --ce-kernel also took compiled / triton and the bench
+#           had --static-layers; both were dropped after this call: the Triton kernel won, and the static flex call
+#           of PART=7 replaced the static layers.)
+#   PART=7: the final code (Triton CE, static flex, norms fused outside the layers, the clip factor in AdamW's
+#           grad_scale). GPU 0: the CE epilogue alone, the drafter step over 40 steps, mixed lengths, the random
+#           assets. GPU 1: the CUDA tests, flex static vs dynamic, the drafter step under the profiler. Then the
+#           2-GPU trainer test and train_dflash.py 1 + 1 at the benchmark shape, compiled.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +121,24 @@ EOF
     ) &
     wait
     timeout "$(left)" $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1 ;;
-*)  echo "PART must be 1..6" >&2; exit 2 ;;
+7)
+    export OMP_NUM_THREADS=1
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 90 $B --mode ce --steps 20 --json "$OUT/ce.json" > "$OUT/ce.txt" 2>&1
+        drafter drafter40 150 --steps 40
+        drafter drafter_mixed 150 --steps 20 --mixed
+        assets
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        cuda_tests tests_cuda.txt
+        drafter drafter_prof 150 --steps 10 --profile 1
+        timeout 100 $B --mode flex --flex-variants --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1
+    ) &
+    wait
+    timeout 100 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
+    trainer "${STEPS:-60}" "${MODES:-layers}" "$(left)" ;;
+*)  echo "PART must be 1..7" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 FLEX_BLOCK = 128  # flex_attention's tile; queries are padded to a multiple of it on GPU
@@ -43,17 +44,20 @@ def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_bl
     """mask_mod(b, h, q_idx, kv_idx) -> bool for N blocks of B tokens against [T context ; N*B block] keys.
 
     anchor_pos [N]: index of each anchor in the packed [T]; anchor_doc [N]: its document; ctx_doc [T]: document of
-    every context row (-1 = padding, never visible). causal_block / sliding_window: the sliding-window layer variant.
+    every context row (-1 = padding, never visible). ctx_len, num_blocks: T and N; the mask_mod holds them as
+    0-dim tensors, so a compiled kernel reads them instead of baking them in (one compile for every micro-batch).
+    Query rows past N*B (flex's padding) see nothing. causal_block / sliding_window: the sliding-window variant.
     """
-    T, B, N = ctx_len, block_size, num_blocks
+    T, N = (torch.as_tensor(x, dtype=torch.long, device=ctx_doc.device) for x in (ctx_len, num_blocks))
+    B = block_size
 
     def mask_mod(b, h, q_idx, kv_idx):
         # flex pads Q and KV up to its tile: clamp every index used to read a tensor so padded rows stay in bounds
-        n = torch.clamp(q_idx // B, max=N - 1)                  # block of the query
+        n = torch.minimum(q_idx // B, N - 1)                    # block of the query
         kq = q_idx - n * B                                      # slot of the query inside its block
         a, d = anchor_pos[n], anchor_doc[n]
         is_ctx = kv_idx < T
-        c = torch.clamp(kv_idx, max=T - 1)                      # safe context index
+        c = torch.minimum(kv_idx, T - 1)                        # safe context index
         ctx_ok = is_ctx & (ctx_doc[c] == d) & (kv_idx < a)      # strict <: never the anchor's own features
         kb = torch.clamp(kv_idx - T, min=0)                     # index into the N*B block keys
         kk = kb % B                                             # slot of the key inside its block
@@ -64,7 +68,7 @@ def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_bl
             # same document => packed index distance == position distance; the query sits at a + kq
             ctx_ok = ctx_ok & (a + kq - kv_idx < sliding_window)
             blk_ok = blk_ok & (kq - kk < sliding_window)
-        return ctx_ok | blk_ok
+        return (ctx_ok | blk_ok) & (q_idx < N * B)
 
     return mask_mod
 
@@ -86,12 +90,12 @@ def dense_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
 
 
 def block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
-                         pad_to=None) -> BlockMask:
+                         pad_to=None, lengths=None) -> BlockMask:
     """The BlockMask flex's own create_block_mask makes from the mask_mod: it evaluates every (q, kv) pair (vmap,
     eager), ~100 ms of GPU and Python time per micro-batch at 512 anchors x 4 x 3072 tokens. The reference for
     block_mask below."""
     T, M = ctx_doc.shape[0], anchor_pos.shape[0] * block_size
-    q_len, kv_len = _padded(M, pad_to, ctx_doc.device), _padded(T + M, pad_to, ctx_doc.device)
+    q_len, kv_len = _lengths(M, T, pad_to, lengths, ctx_doc.device)
     mod = dflash_mask_mod(**_mask_args(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window))
     return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=ctx_doc.device)
 
@@ -129,8 +133,27 @@ def _padded(n, pad_to, device):
     return -(-n // unit) * unit
 
 
+def static_lengths(max_blocks, block_size, max_context) -> tuple[int, int]:
+    """(Q_LEN, KV_LEN) that hold every micro-batch of up to max_blocks blocks and max_context context rows, in
+    whole flex tiles. Masks padded to them give flex_attention one shape for the whole run: it compiles once,
+    static (the dynamic-shape kernel runs ~20% slower, BENCHMARKS.md), and padded tiles hold no blocks, so they
+    cost no compute."""
+    M = max_blocks * block_size
+    return _padded(M, FLEX_BLOCK, None), _padded(max_context + M, FLEX_BLOCK, None)
+
+
+def _lengths(M, T, pad_to, lengths, device) -> tuple[int, int]:
+    if lengths is None:
+        return _padded(M, pad_to, device), _padded(T + M, pad_to, device)
+    q_len, kv_len = lengths
+    assert M <= q_len and T + M <= kv_len, (
+        f"a micro-batch of {M} block tokens and {T} context tokens does not fit the mask lengths {lengths}: "
+        "raise MAX_ANCHORS or TOKEN_BUDGET to what the batches hold")
+    return q_len, kv_len
+
+
 def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
-               pad_to=None, device=None) -> BlockMask:
+               pad_to=None, device=None, lengths=None) -> BlockMask:
     """flex_attention BlockMask of the same mask_mod, its tile structure computed from intervals instead of pairs.
     Q_LEN and KV_LEN are padded to a multiple of `pad_to` (default: 128 when the mask is for a GPU, none on CPU):
     few distinct shapes reach the compiled kernel, and lengths that are multiples of its tile let the drafter pass
@@ -144,18 +167,19 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     (block_mask_reference; tests compare them exactly). Without causal_block and sliding_window all rows of a block
     share their intervals, so the coverage is computed per block and reduced over each tile's range of blocks with
     prefix sums ([N, kv_tiles] work instead of [rows, kv_tiles]). Needs each document's context rows to be contiguous
-    (packed or padded layouts); otherwise falls back to the reference."""
+    (packed or padded layouts); otherwise falls back to the reference. lengths: fixed (Q_LEN, KV_LEN) instead,
+    from static_lengths."""
     device = torch.device(device) if device is not None else ctx_doc.device
     T, B, N = ctx_doc.shape[0], block_size, anchor_pos.shape[0]
     M = N * B
-    q_len, kv_len = _padded(M, pad_to, device), _padded(T + M, pad_to, device)
+    q_len, kv_len = _lengths(M, T, pad_to, lengths, device)
     cpu = torch.device("cpu")
     ap, ad, cd = anchor_pos.to(cpu), anchor_doc.to(cpu), ctx_doc.to(cpu)
     runs = cd[torch.cat([torch.tensor([True]), cd[1:] != cd[:-1]])]                    # one entry per run of a doc
     runs = runs[runs >= 0]                                                               # padding (-1) may repeat
     if runs.numel() != torch.unique(runs).numel() or N == 0:
         return block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
-                                    _pad_unit(pad_to, device)).to(device)
+                                    _pad_unit(pad_to, device), lengths).to(device)
     TILE = FLEX_BLOCK
     q_tiles = -(-q_len // TILE)
     kv_tiles = -(-kv_len // TILE)
@@ -176,15 +200,14 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
         pf = torch.cat([zero, (cover == TILE).long().cumsum(0)])                           # [N+1, kv_tiles]
         pa = torch.cat([zero, (cover > 0).long().cumsum(0)])
         r0 = torch.arange(q_tiles) * TILE                                                # first row of each q tile
-        r1 = torch.clamp(r0 + TILE, max=q_len) - 1                                       # its last live row
+        r1 = torch.clamp(r0 + TILE, max=M) - 1                                           # its last live row
         n0, n1 = torch.clamp(r0 // B, max=N - 1), torch.clamp(r1 // B, max=N - 1)        # its range of blocks
-        dead = (r0 + TILE > q_len)[:, None]                  # rows past Q_LEN see nothing: such a tile is never full
+        dead = (r0 + TILE > M)[:, None]                      # rows past N*B see nothing: such a tile is never full
         full = (pf[n1 + 1] - pf[n0] == (n1 - n0 + 1)[:, None]) & ~dead
-        partial = (pa[n1 + 1] - pa[n0] > 0) & ~full
+        partial = (pa[n1 + 1] - pa[n0] > 0) & ~full & (r0 < M)[:, None]
         return _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
                          q_len, kv_len, device)
-    # per query row (create_block_mask pads rows past Q_LEN with "nothing visible"; rows in [M, q_len) are flex's
-    # padding, for which the mask_mod clamps to the last block: reproduce both)
+    # per query row (rows past N*B see nothing, in the mask_mod and in create_block_mask's padding past Q_LEN)
     q = torch.arange(q_tiles * TILE)
     n = torch.clamp(q // B, max=N - 1)
     kq = q - n * B
@@ -197,7 +220,7 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
         c0 = torch.maximum(c0, a + kq - sliding_window + 1)
         lo = torch.clamp(kq - sliding_window + 1, min=0)
     b0, b1 = T + n * B + lo, T + n * B + torch.maximum(hi, lo)
-    dead = q >= q_len
+    dead = q >= M
     c1, b1 = torch.where(dead, c0, c1), torch.where(dead, b0, b1)
     c1 = torch.maximum(c1, c0)
     seen = (overlap(c0, c1) + overlap(b0, b1)).view(q_tiles, TILE, kv_tiles)
@@ -244,11 +267,12 @@ class AttnSpec:
 
 
 def make_attn_spec(anchor_pos, anchor_doc, ctx_doc, block_size, layer_types, sliding_window=None,
-                   flex=False, device=None) -> AttnSpec:
+                   flex=False, device=None, lengths=None) -> AttnSpec:
     """device: where the masks are used (default: the inputs'). A BlockMask is planned on the inputs' device (the
-    trainer passes CPU tensors) and moved; a dense mask is built where it is used."""
+    trainer passes CPU tensors) and moved; a dense mask is built where it is used. lengths: a BlockMask's fixed
+    (Q_LEN, KV_LEN) (static_lengths)."""
     if flex:
-        build = functools.partial(block_mask, device=device)
+        build = functools.partial(block_mask, device=device, lengths=lengths)
     else:
         to = device if device is not None else ctx_doc.device
         anchor_pos, anchor_doc, ctx_doc = anchor_pos.to(to), anchor_doc.to(to), ctx_doc.to(to)
@@ -266,18 +290,37 @@ def make_attn_spec(anchor_pos, anchor_doc, ctx_doc, block_size, layer_types, sli
 @functools.cache
 def compiled_flex_attention():
     # one compiled callable per process; compiling from several threads at once raises
-    # "Detected that you are using FX to symbolically trace a dynamo-optimized function"
-    return torch.compile(flex_attention)
+    # "Detected that you are using FX to symbolically trace a dynamo-optimized function". Static shapes: the
+    # trainer's masks all have one length (static_lengths), and the dynamic-shape kernel is ~20% slower.
+    return torch.compile(flex_attention, dynamic=False)
 
 
-def warmup_flex_attention(device, dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16):
+@torch.compiler.disable
+def run_flex(q, k, v, mask: BlockMask, gqa: bool):
+    """q [1, nh, M, D], k, v [1, nkv, T+M, D] -> [1, nh, M, D] through flex_attention with the BlockMask, padding
+    q and k/v to its lengths. A graph break on purpose: inside a drafter layer compiled with dynamic shapes
+    (COMPILE_DRAFTER=layers) the flex kernel would be compiled for dynamic shapes too; here it gets its own static
+    compile. Eager flex on CPU (forward only; tests)."""
+    M = q.shape[2]
+    q_len, kv_len = mask.seq_lengths
+    if q_len > M:
+        q = F.pad(q, (0, 0, 0, q_len - M))
+    if kv_len > k.shape[2]:                                                         # padded keys are never visible
+        k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) for x in (k, v))
+    flex = compiled_flex_attention() if q.is_cuda else flex_attention
+    return flex(q, k, v, block_mask=mask, enable_gqa=gqa,
+                kernel_options=flex_kernel_options(q_len, kv_len, q.is_cuda))[:, :, :M]
+
+
+def warmup_flex_attention(device, dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                          lengths=None):
     """Compile flex_attention (forward, and backward on GPU) on the calling thread. Call it on the main thread
-    before any worker thread runs the drafter. The kernel recompiles for other head counts / head_dim / dtype, so
-    pass the drafter's own."""
+    before any worker thread runs the drafter. The kernel recompiles for other head counts / head_dim / dtype /
+    mask lengths, so pass the drafter's own and the lengths its masks will have (static_lengths)."""
     device = torch.device(device)
     doc = torch.zeros(3 * block_size, dtype=torch.long, device=device)                 # one document, T = 3B
     anchors = torch.tensor([block_size, 2 * block_size], device=device)
-    bm = block_mask(anchors, torch.zeros_like(anchors), doc, block_size)
+    bm = block_mask(anchors, torch.zeros_like(anchors), doc, block_size, lengths=lengths)
     M, T = bm.seq_lengths
     grad = device.type != "cpu"   # flex has no backward on CPU
     q = torch.randn(1, num_heads, M, head_dim, device=device, dtype=dtype, requires_grad=grad)

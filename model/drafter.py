@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from model import attention
-from model.attention import AttnSpec, compiled_flex_attention, make_attn_spec
-from model.objective import use_compiled_ce
+from model.attention import AttnSpec, make_attn_spec
 
 
 def default_layer_ids(n_layers: int, k: int) -> list[int]:
@@ -166,20 +165,20 @@ COMPILE_MODES = ("off", "elementwise", "layers")
 def compile_drafter(drafter, mode: str) -> None:
     """GPU speed, same math: "elementwise" fuses RMSNorm and RoPE (eager they are ~10 kernels each, with fp32
     round trips under autocast) into one Triton kernel per call, forward and backward, for every drafter in the
-    process; "layers" compiles each decoder layer whole (norms, RoPE, concatenations and flex_attention in one
-    graph). Both also compile the loss's CE epilogue (model.objective.use_compiled_ce). Shapes are dynamic (the
-    context length changes every micro-batch). Call it on the main thread, before any worker thread runs the
-    drafter. "off" undoes all of it."""
+    process; "layers" also compiles each decoder layer whole (norms, RoPE, concatenations, SiLU and residuals
+    between the matmuls; flex_attention is a graph break with its own static compile, model.attention.run_flex),
+    the fused norms serving hidden_norm and the final norm outside the layers. Shapes are dynamic (the context
+    length changes every micro-batch). Call it on the main thread, before any worker thread runs the drafter.
+    "off" undoes all of it."""
     global apply_rope, rms_norm
     assert mode in COMPILE_MODES, f"compile mode {mode!r} is not one of {COMPILE_MODES}"
     apply_rope, rms_norm = _apply_rope, _rms_norm       # "off" restores eager everywhere
-    use_compiled_ce(mode != "off")
     for layer in drafter.layers:
         layer._compiled_call_impl = None                # what nn.Module.compile sets
-    if mode == "elementwise":
+    if mode in ("elementwise", "layers"):
         apply_rope = torch.compile(_apply_rope, dynamic=True)
         rms_norm = torch.compile(_rms_norm, dynamic=True)
-    elif mode == "layers":
+    if mode == "layers":
         for layer in drafter.layers:
             layer.compile(dynamic=True)
 
@@ -247,14 +246,7 @@ class Attention(nn.Module):
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))     # [1, heads, len, D]
         gqa = self.n_head != self.n_kv
         if isinstance(mask, BlockMask):
-            q_len, kv_len = mask.seq_lengths                                # padded to the flex tile on GPU
-            if q_len > M:
-                q = F.pad(q, (0, 0, 0, q_len - M))
-            if kv_len > k.shape[2]:                                         # padded keys are never visible
-                k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) for x in (k, v))
-            flex = compiled_flex_attention() if q.is_cuda else flex_attention   # eager flex: CPU tests only
-            o = flex(q, k, v, block_mask=mask, enable_gqa=gqa,
-                     kernel_options=attention.flex_kernel_options(q_len, kv_len, q.is_cuda))[:, :, :M]
+            o = attention.run_flex(q, k, v, mask, gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o[0].transpose(0, 1).reshape(M, self.n_head * D))

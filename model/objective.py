@@ -96,22 +96,10 @@ class LossParts:
     correct: torch.Tensor      # [M] bool: argmax == label on supervised rows, False elsewhere
 
 
-def _ce_epilogue(logits, y, w, need_grad=True):   # need_grad: _eager_epilogue's signature; always computes grad
-    """One chunk's CE from its logits, in a form torch.compile fuses into one reduction pass and one elementwise
-    pass over [c, V] (the eager version below takes ~10 passes with fp32 [c, V] temporaries). logits [c, V] as the
-    matmul made them (bf16 under autocast), y [c] long, w [c] fp32 -> (sum_r w_r CE_r, argmax == y [c],
-    dL/dlogits [c, V] in the logits' dtype)."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)                               # [c, 1]
-    loss = ((lse - x.gather(1, y[:, None])).squeeze(1) * w).sum()
-    correct = x.argmax(-1) == y
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]    # an iota compare, not a scatter
-    grad = ((x - lse).exp() - onehot.to(x.dtype)) * w[:, None]
-    return loss, correct, grad.to(logits.dtype)
-
-
 def _eager_epilogue(logits, y, w, need_grad):
-    """The same math eagerly, in place on one fp32 [c, V] buffer (fewest temporaries); grad None if not needed."""
+    """One chunk's CE from its logits: logits [c, V] as the matmul made them (bf16 under autocast), y [c] long,
+    w [c] fp32 -> (sum_r w_r CE_r, argmax == y [c], dL/dlogits [c, V] in the logits' dtype, None if not needed).
+    In place on one fp32 [c, V] buffer (fewest temporaries). On GPU model.ce_kernel does the same in one kernel."""
     x = logits.float()                                                           # [c, V] fp32, this chunk only
     lse = torch.logsumexp(x, dim=-1)                                             # [c]
     loss = ((lse - x.gather(1, y[:, None]).squeeze(1)) * w).sum()
@@ -123,32 +111,19 @@ def _eager_epilogue(logits, y, w, need_grad):
     return loss, correct, g.mul_(w[:, None]).to(logits.dtype)                   # dL/dlogits [c, V]
 
 
-_compiled_epilogue = None   # set by use_compiled_ce(True): torch.compile(_ce_epilogue)
-CE_KERNELS = ("auto", "triton", "compiled", "eager")
+CE_KERNELS = ("auto", "eager")
 _ce_kernel = "auto"         # auto: the Triton kernel (model.ce_kernel) on GPU tensors, the eager epilogue elsewhere
 
 
-def use_compiled_ce(on: bool) -> None:
-    """Train-time CE epilogue: compiled (GPU speed, same math up to summation order) or eager. Called by
-    model.drafter.compile_drafter: every mode but "off" compiles it. Call on the main thread before the first step."""
-    global _compiled_epilogue
-    _compiled_epilogue = torch.compile(_ce_epilogue, dynamic=True) if on else None
-
-
 def set_ce_kernel(kind: str) -> None:
-    """Which epilogue the chunked CE runs: auto | triton | compiled (torch.compile of _ce_epilogue) | eager."""
+    """Which epilogue the chunked CE runs: auto (the Triton kernel where it runs, else eager) | eager."""
     global _ce_kernel
     assert kind in CE_KERNELS, f"CE kernel {kind!r} is not one of {CE_KERNELS}"
     _ce_kernel = kind
-    use_compiled_ce(kind == "compiled")
 
 
-def _pick_epilogue(logits, need_grad):
-    if _ce_kernel in ("auto", "triton") and ce_kernel.available(logits):
-        return ce_kernel.ce_epilogue
-    if need_grad and _compiled_epilogue is not None:
-        return _compiled_epilogue
-    return _eager_epilogue
+def _pick_epilogue(logits):
+    return ce_kernel.ce_epilogue if _ce_kernel == "auto" and ce_kernel.available(logits) else _eager_epilogue
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -167,7 +142,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_size):
             hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w[s:s + chunk_size].float()
             logits = hc @ W.T                                                    # [c, V]
-            loss_c, correct[s:s + chunk_size], g = _pick_epilogue(logits, need_grad)(logits, yc, wc, need_grad)
+            loss_c, correct[s:s + chunk_size], g = _pick_epilogue(logits)(logits, yc, wc, need_grad)
             loss += loss_c
             if g is None:
                 continue

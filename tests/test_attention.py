@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from model.attention import block_mask, dense_mask, dflash_mask_mod
+from model.attention import block_mask, dense_mask, dflash_mask_mod, static_lengths
 from model.objective import pack
 
 
@@ -70,6 +70,7 @@ def test_mask_mod_clamps_padded_indices():
     big = mod(zero, zero, q, kv)                                     # would raise IndexError without the clamps
     assert torch.equal(big[: N * B, : T + N * B], dense_mask(anchors, anchor_doc, doc, B))
     assert not big[:, T + N * B:].any(), "padded keys are never visible"
+    assert not big[N * B:].any(), "padded queries see nothing"
     bm = block_mask(anchors, anchor_doc, doc, B, pad_to=128)      # the GPU padding, built on CPU
     assert bm.seq_lengths == (128, -(-(T + N * B) // 128) * 128)    # both padded to the tile
 
@@ -124,15 +125,30 @@ def test_block_mask_equals_create_block_mask(seed):
     valid = torch.nonzero(doc >= 0).squeeze(1)
     n = min(len(valid), int(torch.randint(1, 90, (1,), generator=g)))
     anchors = torch.sort(valid[torch.randperm(len(valid), generator=g)[:n]]).values
+    fixed = static_lengths(128, B, 2000)                           # the trainer's GPU masks: one fixed length
     for causal_block, window in [(False, None), (True, 37), (False, 200)]:
-        for pad in (1, 128):
+        for pad, lens in ((1, None), (128, None), (128, fixed)):
             args = (anchors, doc[anchors], doc, B, causal_block, window)
-            want, got = block_mask_reference(*args, pad_to=pad), block_mask(*args, pad_to=pad)
-            assert got.seq_lengths == want.seq_lengths
+            want = block_mask_reference(*args, pad_to=pad, lengths=lens)
+            got = block_mask(*args, pad_to=pad, lengths=lens)
+            assert got.seq_lengths == want.seq_lengths == (lens or got.seq_lengths)
             for w, x in [(want.to_dense(), got.to_dense()),
                          (*[BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
                             for m in (want, got)],)]:
-                assert torch.equal(x, w), (causal_block, window, pad)
+                assert torch.equal(x, w), (causal_block, window, pad, lens)
+
+
+def test_static_lengths_pad_to_whole_tiles_and_refuse_what_does_not_fit():
+    assert static_lengths(512, 16, 12288) == (8192, 20480)
+    assert static_lengths(10, 5, 100) == (128, 256)               # 50 queries; 100 + 50 keys
+    doc = torch.zeros(300, dtype=torch.long)
+    anchors = torch.arange(10, 30)
+    bm = block_mask(anchors, doc[anchors], doc, 4, lengths=(128, 512))
+    assert bm.seq_lengths == (128, 512)
+    tiles = bm.to_dense()[0, 0]
+    assert tiles.shape == (1, 4) and not tiles[0, 3].any(), "the padding's key tiles hold no blocks (no compute)"
+    with pytest.raises(AssertionError, match="does not fit the mask lengths"):
+        block_mask(anchors, doc[anchors], doc, 4, lengths=(128, 256))   # 300 + 80 keys > 256
 
 
 def test_block_mask_falls_back_when_documents_interleave():
