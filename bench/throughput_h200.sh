@@ -24,6 +24,10 @@
 #           grad_scale). GPU 0: the CE epilogue alone, the drafter step over 40 steps, mixed lengths, the random
 #           assets. GPU 1: the CUDA tests, flex static vs dynamic, the drafter step under the profiler. Then the
 #           2-GPU trainer test and train_dflash.py 1 + 1 at the benchmark shape, compiled.
+#   PART=8: after PART=7 showed the static flex kernel slower than in PART=6 (int64 T and N in the mask_mod) and a
+#           recompile per micro-batch with mixed lengths (the mask_mod's tensors changed shape): int32 scalars,
+#           tensors padded to the mask's lengths. GPU 0: flex static vs dynamic, the drafter step over 40 steps,
+#           mixed lengths. GPU 1: the CUDA tests, the profiled drafter step. Then the 2-GPU trainer test.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +143,21 @@ EOF
     wait
     timeout 100 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1
     trainer "${STEPS:-60}" "${MODES:-layers}" "$(left)" ;;
-*)  echo "PART must be 1..7" >&2; exit 2 ;;
+8)
+    export OMP_NUM_THREADS=1
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 100 $B --mode flex --flex-variants --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1
+        drafter drafter40 150 --steps 40
+        drafter drafter_mixed 150 --steps 20 --mixed
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        cuda_tests tests_cuda.txt
+        drafter drafter_prof 150 --steps 10 --profile 1
+    ) &
+    wait
+    timeout 100 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1 ;;
+*)  echo "PART must be 1..8" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"

@@ -136,6 +136,14 @@ def test_block_mask_equals_create_block_mask(seed):
                          (*[BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
                             for m in (want, got)],)]:
                 assert torch.equal(x, w), (causal_block, window, pad, lens)
+            # the mask_mod it carries (its tensors padded to the mask's lengths) is the dense mask, nothing outside
+            q_len, kv_len = got.seq_lengths
+            zero = torch.zeros((), dtype=torch.int32)
+            grid = got.mask_mod(zero, zero, torch.arange(q_len, dtype=torch.int32)[:, None],
+                                torch.arange(kv_len, dtype=torch.int32)[None, :])
+            M, T = len(anchors) * B, len(doc)
+            assert torch.equal(grid[:M, :T + M], dense_mask(*args)) and not grid[M:].any() and \
+                not grid[:, T + M:].any(), (causal_block, window, pad, lens)
 
 
 def test_static_lengths_pad_to_whole_tiles_and_refuse_what_does_not_fit():
