@@ -28,6 +28,8 @@
 #           recompile per micro-batch with mixed lengths (the mask_mod's tensors changed shape): int32 scalars,
 #           tensors padded to the mask's lengths. GPU 0: flex static vs dynamic, the drafter step over 40 steps,
 #           mixed lengths. GPU 1: the CUDA tests, the profiled drafter step. Then the 2-GPU trainer test.
+#   PART=9: the final code's drafter step alone on both GPUs (nothing else running): 40 steps twice on GPU 1, 40
+#           steps and mixed lengths over 40 steps on GPU 0.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -158,6 +160,11 @@ EOF
     ) &
     wait
     timeout 100 $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1 ;;
-*)  echo "PART must be 1..8" >&2; exit 2 ;;
+9)
+    export OMP_NUM_THREADS=1
+    ( export CUDA_VISIBLE_DEVICES=0; drafter drafter40_gpu0 150 --steps 40; drafter drafter_mixed40 150 --steps 40 --mixed ) &
+    ( export CUDA_VISIBLE_DEVICES=1; drafter drafter40_gpu1 150 --steps 40; drafter drafter40_gpu1b 150 --steps 40 ) &
+    wait ;;
+*)  echo "PART must be 1..9" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"
