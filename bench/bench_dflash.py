@@ -442,6 +442,8 @@ def synthetic_packet(c, lengths, g):
 def bench_drafter(args, c) -> dict:
     from model.attention import warmup_flex_attention
     from model.objective import pack, sample_anchors
+    if args.switch_interval:   # how often the feeder thread must hand the GIL back to the main (launching) thread
+        sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
     rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel)
     build_s = time.time() - t0
@@ -1045,6 +1047,8 @@ def parse_args(argv):
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
     ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],
                     help="the CE epilogue (model.objective.set_ce_kernel); auto = the Triton kernel on GPU")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval for the drafter run (Python's default: 0.005 s)")
     ap.add_argument("--flex-variants", action="store_true",
                     help="--mode flex: static vs dynamic shapes and contiguous vs the layer's strided q/k/v")
     ap.add_argument("--profile", type=int, default=0, metavar="N",

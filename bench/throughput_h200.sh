@@ -30,6 +30,8 @@
 #           mixed lengths. GPU 1: the CUDA tests, the profiled drafter step. Then the 2-GPU trainer test.
 #   PART=9: the final code's drafter step alone on both GPUs (nothing else running): 40 steps twice on GPU 1, 40
 #           steps and mixed lengths over 40 steps on GPU 0.
+#   PART=10: the GIL: the drafter step with Python's default switch interval (5 ms) and with 0.2 ms, in both
+#           orders on the two GPUs (the feeder thread's prepare holds the GIL ~10 ms per step).
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -165,6 +167,11 @@ EOF
     ( export CUDA_VISIBLE_DEVICES=0; drafter drafter40_gpu0 150 --steps 40; drafter drafter_mixed40 150 --steps 40 --mixed ) &
     ( export CUDA_VISIBLE_DEVICES=1; drafter drafter40_gpu1 150 --steps 40; drafter drafter40_gpu1b 150 --steps 40 ) &
     wait ;;
-*)  echo "PART must be 1..9" >&2; exit 2 ;;
+10)
+    export OMP_NUM_THREADS=1
+    ( export CUDA_VISIBLE_DEVICES=0; drafter gil_default_gpu0 150 --steps 40; drafter gil_fast_gpu0 150 --steps 40 --switch-interval 0.0002 ) &
+    ( export CUDA_VISIBLE_DEVICES=1; drafter gil_fast_gpu1 150 --steps 40 --switch-interval 0.0002; drafter gil_default_gpu1 150 --steps 40 ) &
+    wait ;;
+*)  echo "PART must be 1..10" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"
