@@ -35,7 +35,7 @@ DFT_OUT_PER_H = 10.0       # per block token, once: final norm fp32 + bf16 saved
 DFT_ROPE_PER_D = 8.0       # per [context ; block] row, once, x head_dim: fp32 cos and sin
 DFT_CE_ROW_PER_H = 8.0     # per supervised row, x H: gathered fp32 hidden + saved fp32 grad_h of the chunked CE
 DFT_CE_FP32_COPIES = 2.0   # [CE_CHUNK, vocab] fp32 buffers alive at once inside a CE chunk (logits + logsumexp temp)
-DFT_CE_FUSED_COPIES = 2.0  # the same with the compiled epilogue (COMPILE_DRAFTER != off): bf16 logits + bf16 grad
+DFT_CE_FUSED_COPIES = 1.0  # the same on GPU in bf16: the Triton epilogue writes the grad over the bf16 logits
 DFT_QUEUE_EXTRA = 2        # received micro-batches alive beyond Q_HS: one training, one prepared and waiting to enter
 DFT_DDP_BUCKETS = 1.0      # fp32 gradient copies DDP keeps in its buckets with >= 2 drafter ranks
 FP32_ACT_SCALE = 2.0       # DTYPE=float32 (no autocast): activation terms scale by about this
@@ -173,7 +173,7 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
               fwd, "TOKEN_BUDGET"),
         _term(f"CE rows: {R} supervised x [{s.H}] fp32 hidden + saved grad", "CE rows", R * DFT_CE_ROW_PER_H * s.H,
               fwd, "MAX_ANCHORS"),
-        _term(f"CE chunk: {DFT_CE_FUSED_COPIES:g} x [{d['ce_rows']}, {s.V}] bf16 logits + grad (compiled epilogue)"
+        _term(f"CE chunk: {DFT_CE_FUSED_COPIES:g} x [{d['ce_rows']}, {s.V}] bf16 logits, then grad (Triton epilogue)"
               if d["fused_ce"] else f"CE chunk: {DFT_CE_FP32_COPIES:g} x [{d['ce_rows']}, {s.V}] fp32 logits",
               "CE chunk", (DFT_CE_FUSED_COPIES * BF16 if d["fused_ce"] else DFT_CE_FP32_COPIES * FP32)
               * d["ce_rows"] * s.V, fwd, "CE_CHUNK"),
@@ -225,7 +225,9 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
              target_params=s.V * s.H * (1 if s.tied else 2) + s.n_layers * target_layer_params(s) + s.H,
              fp32=dtype == "float32", act_scale=FP32_ACT_SCALE if dtype == "float32" else 1.0,
              flex=str(cfg.get("ATTN", "auto")) != "sdpa", n_targets=n_tgt, n_drafters=n_dft,
-             fused_ce=str(cfg.get("COMPILE_DRAFTER", "off")) != "off" and dtype != "float32",
+             # the planner plans GPU runs: a chunked CE in bf16 there runs model/ce_kernel.py (CE_CHUNK=0 is the
+             # unchunked fp32 reference)
+             fused_ce=dtype != "float32" and bool(cfg["CE_CHUNK"]),
              inflight=0 if colocated else cfg["SEND_DEPTH"] + 1,
              queue_items=1 if colocated else cfg["Q_HS"] + DFT_QUEUE_EXTRA)
     if colocated:

@@ -61,7 +61,7 @@ TARGET_RANKS = 1            # the first TARGET_RANKS ranks run the target, the r
 DEVICE = "auto"             # auto | cuda | cpu
 DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
-COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (each drafter layer one graph)
+COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (that + each layer one graph)
 COMPILE_TARGET = False      # torch.compile each target decoder layer on target ranks (not in the one-process mode)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
