@@ -275,8 +275,9 @@ def bench_target(args, c) -> dict:
     return out
 
 
-def profile(n, fn, c, rows=30):
-    """n more calls of fn under torch.profiler -> the top kernels by device time, as printed (empty when n = 0)."""
+def profile(n, fn, c, rows=30, trace=None):
+    """n more calls of fn under torch.profiler -> the top kernels by device time, as printed (empty when n = 0);
+    trace: also write the timeline there (chrome trace JSON: where the GPU waits, and on what)."""
     if not n:
         return ""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -286,6 +287,8 @@ def profile(n, fn, c, rows=30):
         for _ in range(n):
             fn()
         c.sync()
+    if trace:
+        prof.export_chrome_trace(trace)
     key = "self_cuda_time_total" if c.device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
     print(table, flush=True)
@@ -476,7 +479,7 @@ def bench_drafter(args, c) -> dict:
         dt = timer.stop()
         peak = c.peak_mem()
         phases, saved = instrumented_step(rig, feeder, c)
-        prof = profile(args.profile, lambda: rig.step(feeder.get()), c)
+        prof = profile(args.profile, lambda: rig.step(feeder.get()), c, trace=args.trace)
     finally:
         feeder.stop()
     B, L, K = c.dcfg.block_size, c.dcfg.num_hidden_layers, c.dcfg.num_taps
@@ -1047,6 +1050,7 @@ def parse_args(argv):
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
     ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],
                     help="the CE epilogue (model.objective.set_ce_kernel); auto = the Triton kernel on GPU")
+    ap.add_argument("--trace", default=None, metavar="FILE", help="--profile: also write a chrome trace (drafter)")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="sys.setswitchinterval for the drafter run (Python's default: 0.005 s)")
     ap.add_argument("--flex-variants", action="store_true",

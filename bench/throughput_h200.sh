@@ -32,6 +32,7 @@
 #           steps and mixed lengths over 40 steps on GPU 0.
 #   PART=10: the GIL: the drafter step with Python's default switch interval (5 ms) and with 0.2 ms, in both
 #           orders on the two GPUs (the feeder thread's prepare holds the GIL ~10 ms per step).
+#   PART=11: a timeline of two drafter steps (chrome trace, gzipped) to find where the GPU waits.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -172,6 +173,9 @@ EOF
     ( export CUDA_VISIBLE_DEVICES=0; drafter gil_default_gpu0 150 --steps 40; drafter gil_fast_gpu0 150 --steps 40 --switch-interval 0.0002 ) &
     ( export CUDA_VISIBLE_DEVICES=1; drafter gil_fast_gpu1 150 --steps 40 --switch-interval 0.0002; drafter gil_default_gpu1 150 --steps 40 ) &
     wait ;;
-*)  echo "PART must be 1..10" >&2; exit 2 ;;
+11)
+    export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0
+    drafter drafter_trace 200 --steps 10 --profile 2 --trace "$OUT/trace.json" && gzip -f "$OUT/trace.json" ;;
+*)  echo "PART must be 1..11" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"
