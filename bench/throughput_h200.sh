@@ -33,6 +33,8 @@
 #   PART=10: the GIL: the drafter step with Python's default switch interval (5 ms) and with 0.2 ms, in both
 #           orders on the two GPUs (the feeder thread's prepare holds the GIL ~10 ms per step).
 #   PART=11: a timeline of two drafter steps (chrome trace, gzipped) to find where the GPU waits.
+#   PART=12: flex kernel_options for the static kernel: the sweep (--mode flex) on GPU 0; on GPU 1 the drafter step
+#           with torch's options, then with the third round's best backward tiles.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -176,6 +178,13 @@ EOF
 11)
     export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0
     drafter drafter_trace 200 --steps 10 --profile 2 --trace "$OUT/trace.json" && gzip -f "$OUT/trace.json" ;;
-*)  echo "PART must be 1..11" >&2; exit 2 ;;
+12)
+    export OMP_NUM_THREADS=1
+    BWD='{"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64, "bwd_num_warps": 8, "bwd_num_stages": 2}'
+    ( export CUDA_VISIBLE_DEVICES=0; timeout 200 $B --mode flex --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1 ) &
+    ( export CUDA_VISIBLE_DEVICES=1; drafter drafter40_default 120 --steps 40
+      drafter drafter40_bwd64 120 --steps 40 --flex-options "$BWD" ) &
+    wait ;;
+*)  echo "PART must be 1..12" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"
