@@ -401,7 +401,8 @@ class BusyClock:
     """Seconds and tokens a role spends computing, so the master can measure each role's capacity (not only the
     pipeline's rate, which the slower role sets). On GPU: CUDA events around each unit of work, summed by the
     watchdog thread once they have completed, so the hot loop never syncs. The first `skip` units are not counted:
-    they include torch.compile's compiles (COMPILE_*, flex_attention's dynamic-shape recompile) and allocator warm-up.
+    they include torch.compile's compiles (COMPILE_*, flex_attention at the real mask lengths) and allocator
+    warm-up.
     """
 
     def __init__(self, device, skip=3):

@@ -31,8 +31,8 @@ def set_flex_kernel_options(options: dict | None) -> None:
 
 def flex_kernel_options(q_len: int, kv_len: int, cuda: bool) -> dict | None:
     """FLEX_KERNEL_OPTIONS for one call, plus on a GPU IS_DIVISIBLE when both lengths are multiples of the tile (the
-    GPU padding of block_mask guarantees it). Inductor infers IS_DIVISIBLE only from static shapes; the drafter's are
-    dynamic (compiled once for every context length), and without it every load is bounds-checked."""
+    GPU padding of block_mask guarantees it; without it every load is bounds-checked). Inductor infers it by itself
+    only for static shapes, which the trainer's masks have (static_lengths); other callers' may not."""
     opts = dict(FLEX_KERNEL_OPTIONS or {})
     if cuda and q_len % FLEX_BLOCK == 0 and kv_len % FLEX_BLOCK == 0:
         opts.setdefault("IS_DIVISIBLE", True)
@@ -44,13 +44,15 @@ def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_bl
     """mask_mod(b, h, q_idx, kv_idx) -> bool for N blocks of B tokens against [T context ; N*B block] keys.
 
     anchor_pos [N]: index of each anchor in the packed [T]; anchor_doc [N]: its document; ctx_doc [T]: document of
-    every context row (-1 = padding, never visible). ctx_len, num_blocks: T and N; the mask_mod holds them as
-    0-dim tensors, so a compiled kernel reads them instead of baking them in (one compile for every micro-batch).
-    Query rows past N*B (flex's padding) see nothing. causal_block / sliding_window: the sliding-window variant.
+    every context row (-1 = padding, never visible). ctx_len, num_blocks: T and N, ints or 0-dim int32 tensors on
+    the mask's device; the mask_mod holds them as tensors, so a compiled kernel reads them instead of baking them in
+    (one compile for every micro-batch). Query rows past N*B (flex's padding) see nothing. causal_block /
+    sliding_window: the sliding-window variant.
     """
     # int32 like flex's q_idx / kv_idx: int64 scalars would turn the kernel's index arithmetic into 64-bit
     # divisions (the static backward ran 23% slower with them)
-    T, N = (torch.as_tensor(x, dtype=torch.int32, device=ctx_doc.device) for x in (ctx_len, num_blocks))
+    T, N = (x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int32, device=ctx_doc.device)
+            for x in (ctx_len, num_blocks))
     B = block_size
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -158,10 +160,10 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
                pad_to=None, device=None, lengths=None) -> BlockMask:
     """flex_attention BlockMask of the same mask_mod, its tile structure computed from intervals instead of pairs.
     Q_LEN and KV_LEN are padded to a multiple of `pad_to` (default: 128 when the mask is for a GPU, none on CPU):
-    few distinct shapes reach the compiled kernel, and lengths that are multiples of its tile let the drafter pass
-    IS_DIVISIBLE (no bounds checks; padded keys are never visible, see the mask_mod). The drafter pads its queries
-    and keys to match. Inputs may live on the CPU (the trainer plans there) and the mask is moved to `device`
-    (default: the inputs' device).
+    few distinct shapes reach the compiled kernel, and lengths that are multiples of its tile allow IS_DIVISIBLE
+    (no bounds checks; padded keys are never visible, see the mask_mod). run_flex pads queries and keys to match.
+    Inputs may live on the CPU (the trainer plans there) and the mask is moved to `device` (default: the inputs'
+    device).
 
     Every query row sees at most two key intervals: context [start of its document, anchor) (cut by the window for
     sliding layers) and a slice of its own block. So a [128 x 128] tile is partial when some row's intervals meet it
@@ -243,10 +245,12 @@ def _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal
     # micro-batch's mask_mod has the same shapes, so the static flex kernel compiles once (T and N are values)
     T, N = ctx_doc.shape[0], anchor_pos.shape[0]
     n_pad = -(-q_len // block_size) - N
+    def scalar(x):   # made on the CPU and copied like the rest: a CUDA tensor from a Python int is a blocking copy
+        return to_device(torch.tensor(x, dtype=torch.int32), device)
     mod = dflash_mask_mod(to_device(F.pad(anchor_pos, (0, n_pad)), device),
                           to_device(F.pad(anchor_doc, (0, n_pad), value=-2), device),
                           to_device(F.pad(ctx_doc, (0, kv_len - T), value=-1), device),
-                          T, block_size, N, causal_block, sliding_window)
+                          scalar(T), block_size, scalar(N), causal_block, sliding_window)
     return block_mask_to(BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK,
                                                   mask_mod=mod, seq_lengths=(q_len, kv_len)), device)
 
@@ -335,7 +339,6 @@ def warmup_flex_attention(device, dtype=torch.bfloat16, num_heads=4, num_kv_head
     k = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
     v = torch.randn(1, num_kv_heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad)
     with torch.set_grad_enabled(grad):
-        out = compiled_flex_attention()(q, k, v, block_mask=bm, enable_gqa=num_heads != num_kv_heads,
-                                        kernel_options=flex_kernel_options(M, T, device.type == "cuda"))
+        out = run_flex(q, k, v, bm, num_heads != num_kv_heads)
         if grad:
             out.sum().backward()

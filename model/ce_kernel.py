@@ -5,6 +5,8 @@ the logits in place. Two reads and one write of the bf16 chunk, no fp32 [c, V] t
 model.objective uses it on CUDA tensors when Triton is importable; its eager epilogue is the reference
 (tests/test_ce_kernel.py runs both, on CPU through Triton's interpreter, TRITON_INTERPRET=1).
 """
+import os
+
 import torch
 
 try:
@@ -54,7 +56,6 @@ if triton is not None:
 
 def available(t: torch.Tensor) -> bool:
     """The kernel serves this tensor: Triton is installed and t is on a GPU (or Triton runs interpreted, tests)."""
-    import os
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
