@@ -64,6 +64,7 @@ ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
 COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (that + each layer one graph)
 COMPILE_TARGET = False      # torch.compile each target decoder layer on target ranks (not in the one-process mode)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
+OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (optim.py)
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
 Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
 SEND_DEPTH = 2              # feature tensors a target rank may have in flight
@@ -891,15 +892,18 @@ def main(argv):
             embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
                 (target.embed_tokens, target.lm_head_weight, None)
             params = [p for p in drafter.parameters()]
-            decay = [p for p in params if p.dim() >= 2]
-            no_decay = [p for p in params if p.dim() < 2]
-            opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                     {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95),
-                                    eps=1e-8, fused=d.device.type == "cuda")
+            from optim import make_optimizer
+            opt = make_optimizer(drafter, LR, WEIGHT_DECAY, overlap=OVERLAP_OPTIMIZER)
             if resume_path:
                 state = ckpt.load_state(resume_path, map_location=d.device)
                 drafter.load_state_dict(state["drafter"])
-                opt.load_state_dict(state["optimizer"])
+                try:
+                    opt.load_state_dict(state["optimizer"])
+                except ValueError as e:
+                    raise SystemExit(f"error: the optimizer state in {resume_path} does not match this drafter's "
+                                     f"parameter groups ({e}); it was written by another drafter shape or an older "
+                                     f"version of the optimizer (optim.py: one group pair per layer). Start over "
+                                     f"with RESUME=scratch, or resume with the code that wrote it") from e
                 torch.set_rng_state(state["rng"]["torch"].cpu())
                 random.setstate(state["rng"]["python"])
                 np.random.set_state(state["rng"]["numpy"])
@@ -1023,6 +1027,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")
 
     def save(step_now, g_now):
+        opt.wait_all()   # the overlapped optimizer's last update has run (parameters and its state)
         state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step_now, "next_g": g_now,
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
         meta = {"step": step_now, "next_g": g_now, "planned_g": sched.planned_g, "epoch": g_now / data.plan.num_batches,
@@ -1046,6 +1051,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         """tau of the current drafter on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
         filling the queues, so the pipeline stalls no longer than the evaluation itself."""
         from eval_dflash import evaluate, load_prompts
+        opt.wait_all()
         t = time.time()
         if not evaluator:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1158,6 +1164,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
             if d.n_drafters > 1:
                 dist.all_reduce(red, group=d.drafters)
                 # DDP keeps drafters bitwise identical; check it where we sync anyway
+                opt.wait_all()
                 cs = torch.stack([p.detach().double().sum() for p in params]).sum()
                 mm = torch.stack([cs, -cs])
                 dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=d.drafters)
@@ -1207,6 +1214,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
             if d.is_master:
                 log(f"stopped at step {step} on request; resume with RESUME=auto")
             break
+    opt.wait_all()
     if d.is_master:
         if step >= total_steps:
             log(f"done: {step} steps; final drafter in {ckpt.step_dir(ck_root, step) / 'drafter'}")

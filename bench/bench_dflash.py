@@ -361,7 +361,7 @@ class Feeder(threading.Thread):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto"):
+    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True):
         from model.drafter import compile_drafter
         from model.objective import set_ce_kernel
         self.c = c
@@ -371,9 +371,8 @@ class DrafterRig:
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
         params = list(self.drafter.parameters())
         self.params = params
-        self.opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": td.WEIGHT_DECAY},
-                                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                     lr=td.LR, betas=(0.9, 0.95), eps=1e-8, fused=c.device.type == "cuda")
+        from optim import make_optimizer
+        self.opt = make_optimizer(self.drafter, td.LR, td.WEIGHT_DECAY, overlap=overlap)
         self.autocast = torch.autocast("cuda", dtype=c.dtype) if c.device.type == "cuda" and \
             c.dtype != torch.float32 else torch.autocast("cpu", enabled=False)
         self.sums = torch.zeros(6, device=c.device, dtype=torch.float64)
@@ -433,13 +432,29 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+_FEATURES: dict = {}
+
+
+def synthetic_features(c, T):
+    """[T, K*H] random features, a fresh buffer like a received one (the queue's memory stays the trainer's), copied
+    from one pool drawn once per process: drawing fresh ones per micro-batch put ~0.7 ms of RNG kernels on the GPU
+    inside the timed step, where a drafter rank only receives (a copy's worth of memory traffic)."""
+    width = c.dcfg.num_taps * c.sizes.H
+    key = (str(c.device), c.dtype, width)
+    pool = _FEATURES.get(key)
+    if pool is None or pool.shape[0] < T:
+        g = torch.Generator(device=c.device).manual_seed(1234)
+        pool = _FEATURES[key] = torch.randn(max(T, td.TOKEN_BUDGET), width, device=c.device, dtype=c.dtype,
+                                            generator=g)
+    return pool[:T].clone()
+
+
 def synthetic_packet(c, lengths, g):
     """What a drafter rank receives for micro-batch g of these sequence lengths: tokens packed, random features."""
     from pipe import Packet
     ids, mask, attn, n = make_batch(lengths, c.sizes.V, c.mask_id, g)
     keep = attn.bool()
-    feats = torch.randn(int(n.sum()), c.dcfg.num_taps * c.sizes.H, device=c.device, dtype=c.dtype)   # [T, K*H]
-    return Packet(g, n, ids[keep], mask[keep], feats)
+    return Packet(g, n, ids[keep], mask[keep], synthetic_features(c, int(n.sum())))
 
 
 def bench_drafter(args, c) -> dict:
@@ -448,7 +463,7 @@ def bench_drafter(args, c) -> dict:
     if args.switch_interval:   # how often the feeder thread must hand the GIL back to the main (launching) thread
         sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
-    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel)
+    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, bool(args.overlap_optimizer))
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
@@ -476,6 +491,7 @@ def bench_drafter(args, c) -> dict:
             rig.step(item)
             items.append((item.g, item.lengths, item.loss_mask, item.tokens, item.num_blocks, item.rows.numel()))
             del item
+        rig.opt.wait_all()      # the last step's overlapped update is inside the timed span
         dt = timer.stop()
         peak = c.peak_mem()
         phases, saved = instrumented_step(rig, feeder, c)
@@ -504,6 +520,7 @@ def bench_drafter(args, c) -> dict:
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
            "compile_drafter": args.compile_drafter, "ce_kernel": args.ce_kernel,
+           "overlap_optimizer": bool(rig.opt.overlap),
            "profile": prof}
     out.update(c.mfu(out["tflops"]))
     del rig, feeder
@@ -525,6 +542,28 @@ FLEX_CANDIDATES = {   # name -> kernel_options (None: torch's defaults for this 
 }
 
 
+def doc_mask_mod_twin(bm, packet, c):
+    """bm's tiles with the document-compare mask_mod (model.attention.dflash_mask_mod, tensors padded as the trainer
+    padded them before interval_mask_mod): what the mask_mod's own cost is inside the partial tiles."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import BlockMask
+    from model.attention import dflash_mask_mod, to_device
+    from model.objective import pack, sample_anchors
+    B = c.dcfg.block_size
+    q_len, kv_len = bm.seq_lengths
+    ctx_doc = pack(packet.lengths)[0]
+    a_idx = sample_anchors(packet.loss_mask, ctx_doc, td.MAX_ANCHORS,
+                           torch.Generator().manual_seed(td.micro_seed(packet.g)), td.MIN_ANCHORS_PER_DOC)
+    T, N = ctx_doc.shape[0], a_idx.shape[0]
+    n_pad = -(-q_len // B) - N
+    i32 = lambda x: to_device(torch.tensor(x, dtype=torch.int32), c.device)   # noqa: E731
+    mod = dflash_mask_mod(to_device(F.pad(a_idx, (0, n_pad)), c.device),
+                          to_device(F.pad(ctx_doc[a_idx], (0, n_pad), value=-2), c.device),
+                          to_device(F.pad(ctx_doc, (0, kv_len - T), value=-1), c.device), i32(T), B, i32(N))
+    return BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                    BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mod, seq_lengths=bm.seq_lengths)
+
+
 def bench_flex(args, c) -> dict:
     """One drafter layer's flex_attention, forward and forward + backward, on the real mask of a bench micro-batch
     (the trainer's prepare), for each kernel_options candidate (--flex-options: only that one, against the
@@ -537,8 +576,10 @@ def bench_flex(args, c) -> dict:
         {"default": None, "given": json.loads(args.flex_options)}
     if args.flex_variants:   # the ways the step's call differs from the standalone one, one at a time
         cands = {"default": None, "dynamic shapes + IS_DIVISIBLE (the compiled layer's call)": "dynamic",
-                 "q/k/v strided as in the layer ([1, S, H, D].transpose(1, 2))": "strided"}
-    item = td.make_prepare(c.dcfg, c.device, c.flex)(synthetic_packet(c, batch_lengths(args, 1)[0], 0))
+                 "q/k/v strided as in the layer ([1, S, H, D].transpose(1, 2))": "strided",
+                 "the same tiles with the document mask_mod (dflash_mask_mod, before interval_mask_mod)": "docmod"}
+    packet = synthetic_packet(c, batch_lengths(args, 1)[0], 0)
+    item = td.make_prepare(c.dcfg, c.device, c.flex)(packet)
     bm = item.attn.full
     q_len, kv_len = bm.seq_lengths
     nh, nkv, D, B = c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads, c.dcfg.head_dim, c.dcfg.block_size
@@ -560,9 +601,12 @@ def bench_flex(args, c) -> dict:
             opts = flex_kernel_options(q_len, kv_len, True)
         elif opts == "strided":
             opts = None
+        mask = bm
+        if opts == "docmod":
+            mask, opts = doc_mask_mod_twin(bm, packet, c), None
         t0 = time.time()
         try:
-            out = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
+            out = fn(q, k, v, block_mask=mask, enable_gqa=nh != nkv, kernel_options=opts)
             out.backward(dout)
             c.sync()
         except Exception as e:  # noqa: BLE001 - a config the GPU cannot run is a result, not the end of the sweep
@@ -578,13 +622,13 @@ def bench_flex(args, c) -> dict:
         times = {}
         for phase in ("fwd", "fwd+bwd"):
             for _ in range(2):
-                o = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
+                o = fn(q, k, v, block_mask=mask, enable_gqa=nh != nkv, kernel_options=opts)
                 if phase == "fwd+bwd":
                     o.backward(dout)
             timer = Timer(c.device)
             timer.start()
             for _ in range(args.steps):
-                o = fn(q, k, v, block_mask=bm, enable_gqa=nh != nkv, kernel_options=opts)
+                o = fn(q, k, v, block_mask=mask, enable_gqa=nh != nkv, kernel_options=opts)
                 if phase == "fwd+bwd":
                     o.backward(dout)
             times[phase] = timer.stop() / args.steps
@@ -868,8 +912,8 @@ def report(res, c) -> str:
             row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
                 f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est['drafter']))}, "
                 f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est['drafter'], 'bf16 copies'))}")
-        row("drafter", "COMPILE_DRAFTER, CE kernel, flex compile s, build s, warmup s",
-            f"{d['compile_drafter']}, {d['ce_kernel']}, "
+        row("drafter", "COMPILE_DRAFTER, CE kernel, optimizer overlapped, flex compile s, build s, warmup s",
+            f"{d['compile_drafter']}, {d['ce_kernel']}, {d.get('overlap_optimizer')}, "
             f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}")
     p = res.get("pipeline")
     if p and "error" not in p and "commands" not in p:
@@ -1050,6 +1094,8 @@ def parse_args(argv):
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
     ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],
                     help="the CE epilogue (model.objective.set_ce_kernel); auto = the Triton kernel on GPU")
+    ap.add_argument("--overlap-optimizer", type=int, default=1, choices=[0, 1],
+                    help="OVERLAP_OPTIMIZER: AdamW on a side stream under the next forward (1) or after the backward")
     ap.add_argument("--trace", default=None, metavar="FILE", help="--profile: also write a chrome trace (drafter)")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="sys.setswitchinterval for the drafter run (Python's default: 0.005 s)")

@@ -35,6 +35,14 @@
 #   PART=11: a timeline of two drafter steps (chrome trace, gzipped) to find where the GPU waits.
 #   PART=12: flex kernel_options for the static kernel: the sweep (--mode flex) on GPU 0; on GPU 1 the drafter step
 #           with torch's options, then with the third round's best backward tiles.
+#   Fifth round (fifth session):
+#   PART=13: the interval mask_mod, the optimizer overlapped with the next forward, features without RNG kernels.
+#           GPU 0: flex with the interval vs the document mask_mod (--flex-variants), the drafter step over 40
+#           steps with the optimizer overlapped and not, mixed lengths. GPU 1: the CUDA tests (test_optim.py
+#           included), the profiled drafter step, 40 steps overlapped and not (the other order). Then the 2-GPU
+#           trainer test.
+#   PART=14: repeats: 40-step drafter runs on both GPUs, four each, alternating the optimizer overlap on / off;
+#           then the random assets and train_dflash.py 1 + 1 at the benchmark shape, compiled.
 #   PART=1 bash bench/throughput_h200.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +63,8 @@ drafter() { local name=$1 t=$2; shift 2
 cuda_tests() {   # the single-GPU CUDA tests, appended to OUT/$1
     timeout 100 $PY -m pytest -q -s tests/test_ce_kernel.py >> "$OUT/$1" 2>&1
     timeout 150 $PY -m pytest -q -s tests/test_flex_cuda.py >> "$OUT/$1" 2>&1
-    timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/$1" 2>&1; }
+    timeout 200 $PY -m pytest -q -s tests/test_compile.py -k cuda >> "$OUT/$1" 2>&1
+    timeout 100 $PY -m pytest -q -s tests/test_optim.py >> "$OUT/$1" 2>&1; }
 assets() { [[ -f "$ASSETS/target/config.json" ]] || $B --write-assets "$ASSETS" --shape qwen3-8b > "$OUT/assets.txt" 2>&1; }
 trainer() {      # trainer STEPS MODES TIMEOUT: bench/trainer_h200.sh, its metrics copied into OUT
     STEPS=$1 MODES=$2 timeout "$3" bash bench/trainer_h200.sh "$ASSETS" "$RUNS" > "$OUT/trainer.txt" 2>&1
@@ -185,6 +194,37 @@ EOF
     ( export CUDA_VISIBLE_DEVICES=1; drafter drafter40_default 120 --steps 40
       drafter drafter40_bwd64 120 --steps 40 --flex-options "$BWD" ) &
     wait ;;
-*)  echo "PART must be 1..12" >&2; exit 2 ;;
+13)
+    export OMP_NUM_THREADS=1
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 150 $B --mode flex --flex-variants --steps 10 --json "$OUT/flex.json" > "$OUT/flex.txt" 2>&1
+        drafter drafter40_overlap 120 --steps 40
+        drafter drafter40_plain 120 --steps 40 --overlap-optimizer 0
+        drafter drafter_mixed 120 --steps 40 --mixed
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        cuda_tests tests_cuda.txt
+        drafter drafter_prof 120 --steps 10 --profile 1
+        drafter drafter40_plain_gpu1 120 --steps 40 --overlap-optimizer 0
+        drafter drafter40_overlap_gpu1 120 --steps 40
+    ) &
+    wait
+    timeout "$(left)" $PY -m pytest -q -s tests/test_gpu_train.py > "$OUT/tests_gpu_train.txt" 2>&1 ;;
+14)
+    export OMP_NUM_THREADS=1
+    for gpu in 0 1; do (
+        export CUDA_VISIBLE_DEVICES=$gpu
+        for i in 1 2; do
+            if (( (i + gpu) % 2 )); then o=1; else o=0; fi
+            drafter "drafter40_gpu${gpu}_run${i}_overlap$o" 120 --steps 40 --overlap-optimizer $o
+            drafter "drafter40_gpu${gpu}_run${i}b_overlap$((1 - o))" 120 --steps 40 --overlap-optimizer $((1 - o))
+        done ) &
+    done
+    wait
+    assets
+    trainer "${STEPS:-60}" "${MODES:-layers}" "$(left)" ;;
+*)  echo "PART must be 1..14" >&2; exit 2 ;;
 esac
 echo "part ${PART:-1} done"

@@ -6,8 +6,10 @@ A query of block n sees
     inference: the target has not run on that token yet),
   - every token of its own block (bidirectional; causal inside the block for sliding-window layers),
   - nothing of any other block.
-`dflash_mask_mod` writes this once with tensor ops only, so the same function feeds flex_attention's BlockMask
-(GPU training) and, evaluated on broadcast index grids, the dense bool mask of the SDPA path (CPU, tests).
+`dflash_mask_mod` writes this once with tensor ops only; evaluated on broadcast index grids it is the dense bool
+mask of the SDPA path (CPU, tests), and flex's create_block_mask on it is the reference BlockMask. The BlockMask
+the trainer uses (block_mask) carries `interval_mask_mod`, the same mask as two key intervals per block (cheaper
+inside flex's partial tiles); tests compare the two on the padded grid.
 """
 import copy
 import functools
@@ -158,7 +160,8 @@ def _lengths(M, T, pad_to, lengths, device) -> tuple[int, int]:
 
 def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
                pad_to=None, device=None, lengths=None) -> BlockMask:
-    """flex_attention BlockMask of the same mask_mod, its tile structure computed from intervals instead of pairs.
+    """flex_attention BlockMask of the same mask, its tile structure computed from intervals instead of pairs, its
+    mask_mod interval_mask_mod.
     Q_LEN and KV_LEN are padded to a multiple of `pad_to` (default: 128 when the mask is for a GPU, none on CPU):
     few distinct shapes reach the compiled kernel, and lengths that are multiples of its tile allow IS_DIVISIBLE
     (no bounds checks; padded keys are never visible, see the mask_mod). run_flex pads queries and keys to match.
@@ -209,8 +212,7 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
         dead = (r0 + TILE > M)[:, None]                      # rows past N*B see nothing: such a tile is never full
         full = (pf[n1 + 1] - pf[n0] == (n1 - n0 + 1)[:, None]) & ~dead
         partial = (pa[n1 + 1] - pa[n0] > 0) & ~full & (r0 < M)[:, None]
-        return _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
-                         q_len, kv_len, device)
+        return _assemble(partial, full, ap, c0, T, block_size, causal_block, sliding_window, q_len, kv_len, device)
     # per query row (rows past N*B see nothing, in the mask_mod and in create_block_mask's padding past Q_LEN)
     q = torch.arange(q_tiles * TILE)
     n = torch.clamp(q // B, max=N - 1)
@@ -230,27 +232,56 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     seen = (overlap(c0, c1) + overlap(b0, b1)).view(q_tiles, TILE, kv_tiles)
     full = (seen == TILE).all(1)                                                         # [q_tiles, kv_tiles]
     partial = (seen > 0).any(1) & ~full
-    return _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
-                     q_len, kv_len, device)
+    return _assemble(partial, full, ap, first[ad.clamp(min=0)], T, block_size, causal_block, sliding_window, q_len,
+                     kv_len, device)
 
 
-def _assemble(partial, full, anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window, q_len,
-              kv_len, device) -> BlockMask:
-    """[q_tiles, kv_tiles] partial / full tiles -> the BlockMask with the mask_mod, on `device`."""
+def interval_mask_mod(ctx_lo, ctx_hi, blk_lo, block_size, causal_block=False, sliding_window=None):
+    """dflash_mask_mod rewritten with each block's two key intervals, for layouts whose documents' context rows are
+    contiguous (block_mask's fast path; tests compare it with dflash_mask_mod on the padded grid). Block n sees
+    context keys [ctx_lo[n], ctx_hi[n]) (start of its document, its anchor) and block keys [blk_lo[n], blk_lo[n]+B).
+    No key-side gather, no document compare: flex evaluates the mask_mod on every element of a partial tile, ~a
+    quarter of the tiles it computes for the drafter. Tensors [n_pad] int32, n_pad covering every query row the
+    kernel can evaluate; rows of padded blocks get empty intervals (they see nothing)."""
+    B = block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        n = q_idx // B
+        lo, hi = ctx_lo[n], ctx_hi[n]
+        ctx_ok = (kv_idx >= lo) & (kv_idx < hi)
+        r = kv_idx - blk_lo[n]                                  # slot of the key inside the query's block
+        blk_ok = (r >= 0) & (r < B)
+        if causal_block or sliding_window is not None:
+            kq = q_idx - n * B                                  # slot of the query inside its block
+            if causal_block:
+                blk_ok = blk_ok & (r <= kq)
+            if sliding_window is not None:                      # the query sits at document index hi + kq
+                ctx_ok = ctx_ok & (hi + kq - kv_idx < sliding_window)
+                blk_ok = blk_ok & (kq - r < sliding_window)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def _assemble(partial, full, anchor_pos, ctx_first, T, block_size, causal_block, sliding_window, q_len, kv_len,
+              device) -> BlockMask:
+    """[q_tiles, kv_tiles] partial / full tiles -> the BlockMask with interval_mask_mod, on `device`. ctx_first [N]:
+    first context row of each anchor's document."""
     def ordered(blocks):   # -> num [1, 1, q_tiles], indices [1, 1, q_tiles, kv_tiles] (listed blocks first)
         num = blocks.sum(-1, dtype=torch.int32)
         idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return num[None, None], idx[None, None]
-    # the tensors the mask_mod reads, padded to sizes set by (q_len, kv_len) alone: with fixed lengths every
-    # micro-batch's mask_mod has the same shapes, so the static flex kernel compiles once (T and N are values)
-    T, N = ctx_doc.shape[0], anchor_pos.shape[0]
-    n_pad = -(-q_len // block_size) - N
-    def scalar(x):   # made on the CPU and copied like the rest: a CUDA tensor from a Python int is a blocking copy
-        return to_device(torch.tensor(x, dtype=torch.int32), device)
-    mod = dflash_mask_mod(to_device(F.pad(anchor_pos, (0, n_pad)), device),
-                          to_device(F.pad(anchor_doc, (0, n_pad), value=-2), device),
-                          to_device(F.pad(ctx_doc, (0, kv_len - T), value=-1), device),
-                          scalar(T), block_size, scalar(N), causal_block, sliding_window)
+    # the mask_mod's tensors, sized by q_len alone (rounded up to flex's tile, which it may evaluate): with fixed
+    # lengths every micro-batch's mask_mod has the same shapes, so the static flex kernel compiles once
+    N = anchor_pos.shape[0]
+    n_pad = -(-_padded(q_len, FLEX_BLOCK, None) // block_size)
+    lo = torch.zeros(n_pad, dtype=torch.int32)
+    hi = torch.zeros(n_pad, dtype=torch.int32)
+    start = torch.full((n_pad,), -block_size, dtype=torch.int32)  # padded blocks: r = kv + B >= B, no block keys
+    lo[:N], hi[:N] = ctx_first.to(torch.int32), torch.maximum(anchor_pos, ctx_first).to(torch.int32)
+    start[:N] = (T + torch.arange(N) * block_size).to(torch.int32)
+    mod = interval_mask_mod(*(to_device(x, device) for x in (lo, hi, start)), block_size, causal_block,
+                            sliding_window)
     return block_mask_to(BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK,
                                                   mask_mod=mod, seq_lengths=(q_len, kv_len)), device)
 

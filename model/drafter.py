@@ -280,6 +280,10 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(cfg.num_taps * H, H, bias=False)   # [H, K*H]
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.apply(self._init_weights)
+        # params_ready(i): called before the forward first reads chunk i of its parameters (optim.param_chunks:
+        # 0 = fc + hidden_norm, 1..L = the layers, L+1 = the final norm). The trainer's overlapped optimizer sets
+        # it to wait for that chunk's update; None otherwise.
+        self.params_ready = None
 
     @staticmethod
     def _init_weights(m):
@@ -295,11 +299,15 @@ class Drafter(nn.Module):
 
     def forward(self, features, ctx_positions, block_emb, block_positions, attn: AttnSpec):
         """features [T, K*H], ctx_positions [T], block_emb [M, H] (M = N*B), block_positions [M] -> [M, H]."""
+        ready = self.params_ready or (lambda i: None)
+        ready(0)
         ctx = self.hidden_norm(self.fc(features))                            # [T, H], shared by every layer
         cos, sin = rope_cos_sin(torch.cat([ctx_positions, block_positions]), self.config)  # [T+M, D]
         x = block_emb                                                        # [M, H]
-        for layer, kind in zip(self.layers, self.config.layer_types):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
+            ready(i + 1)
             x = layer(x, ctx, cos, sin, attn.for_layer(kind))
+        ready(len(self.layers) + 1)
         return self.norm(x)
 
     # -----------------------------------------------------------------------

@@ -73,6 +73,11 @@ def test_mask_mod_clamps_padded_indices():
     assert not big[N * B:].any(), "padded queries see nothing"
     bm = block_mask(anchors, anchor_doc, doc, B, pad_to=128)      # the GPU padding, built on CPU
     assert bm.seq_lengths == (128, -(-(T + N * B) // 128) * 128)    # both padded to the tile
+    # the interval mask_mod a fast-path BlockMask carries, unpadded (CPU): rows up to flex's tile are readable
+    # and see nothing past N*B; keys past T+N*B are never visible
+    small = block_mask(anchors, anchor_doc, doc, B).mask_mod(zero, zero, torch.arange(128)[:, None], kv)
+    rows = min(128, big.shape[0])
+    assert torch.equal(small[:rows], big[:rows]) and not small[N * B:].any()
 
 
 def test_block_mask_covers_dense():
