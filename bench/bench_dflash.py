@@ -1100,7 +1100,8 @@ def parse_args(argv):
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="sys.setswitchinterval for the drafter run (Python's default: 0.005 s)")
     ap.add_argument("--flex-variants", action="store_true",
-                    help="--mode flex: static vs dynamic shapes and contiguous vs the layer's strided q/k/v")
+                    help="--mode flex: static vs dynamic shapes, contiguous vs the layer's strided q/k/v, and "
+                         "the interval vs the document mask_mod on the same tiles")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile N more steps and print the top CUDA kernels (torch.profiler)")
     ap.add_argument("--target-attn", default=None, help="HF attn_implementation of the target (default: HF's pick, "
