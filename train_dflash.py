@@ -883,6 +883,7 @@ def main(argv):
                 n0 += 1
                 watchdog.stats.update(n=n0, tok=sender.tokens, q=watchdog.stats.get("q", 0))
             watchdog.state = "all micro-batches produced; waiting for the drafters to finish"
+            log_peak_memory(d)
             wait_done(d, watchdog)
 
         # -- drafter rank (or the single process) --
@@ -932,6 +933,7 @@ def main(argv):
             watchdog.state = "waiting for the first micro-batch (queues filling)"
         train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config,
               ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None)
+        log_peak_memory(d)
         finish(d, watchdog, code=0)
     except SystemExit as e:
         if e.code not in (0, None):
@@ -977,6 +979,15 @@ def wait_done(d, watchdog):
     watchdog.state = "finished; waiting for the master's last checkpoint"
     while True:
         time.sleep(1)
+
+
+def log_peak_memory(d):
+    """A GPU rank's peak memory over the run, to read against the planner's estimate printed at the start."""
+    import torch
+    if d.device.type == "cuda":
+        gib = 2 ** 30
+        log(f"[rank {d.rank} {d.role}] peak GPU memory: {torch.cuda.max_memory_allocated(d.device) / gib:.2f} GiB "
+            f"allocated, {torch.cuda.max_memory_reserved(d.device) / gib:.2f} GiB reserved by the caching allocator")
 
 
 def finish(d, watchdog, code):
