@@ -32,7 +32,10 @@ class ChunkedAdamW(torch.optim.AdamW):
     so checkpoints do not depend on `overlap`). overlap: run step() on a side stream (CUDA only) and let the
     next forward wait per chunk through wait(i)."""
 
-    def __init__(self, chunks, lr, weight_decay, overlap=False, **kw):
+    def __init__(self, chunks, lr, weight_decay, overlap=False, module_order=None, **kw):
+        """module_order: the model's parameters in module order (drafter.parameters()), to read checkpoints of the
+        former two-group optimizer (load_state_dict)."""
+        self.module_order = list(module_order) if module_order is not None else None
         groups = []
         for i, chunk in enumerate(chunks):
             decay, flat = [p for p in chunk if p.dim() >= 2], [p for p in chunk if p.dim() < 2]
@@ -44,6 +47,38 @@ class ChunkedAdamW(torch.optim.AdamW):
         self.overlap = bool(overlap) and dev.type == "cuda"
         self.stream = torch.cuda.Stream(dev) if self.overlap else None
         self.ready: list = [None] * self.num_chunks
+
+    def load_state_dict(self, state_dict):
+        """Also takes the state of the optimizer this one replaced, AdamW([matrices, vectors]) over
+        drafter.parameters() (checkpoints written before the chunked groups): its per-parameter state is moved to
+        the same parameters here, so such a run resumes with its moments and step counts."""
+        groups = state_dict["param_groups"]
+        if len(groups) == 2 and "chunk" not in groups[0] and len(self.param_groups) != 2:
+            state_dict = self._from_two_groups(state_dict)
+        super().load_state_dict(state_dict)
+
+    def _from_two_groups(self, sd):
+        if self.module_order is None:
+            raise ValueError("a two-group optimizer state needs module_order to be read")
+        old = [p for p in self.module_order if p.dim() >= 2] + [p for p in self.module_order if p.dim() < 2]
+        sizes = [len(g["params"]) for g in sd["param_groups"]]
+        if sizes != [sum(p.dim() >= 2 for p in old), sum(p.dim() < 2 for p in old)]:
+            raise ValueError(f"the saved optimizer has groups of {sizes} parameters; this drafter has "
+                             f"{sum(p.dim() >= 2 for p in old)} matrices and {sum(p.dim() < 2 for p in old)} vectors")
+        at = {id(p): i for i, p in enumerate(old)}                   # parameter -> its index in the saved state
+        saved_index = [i for g in sd["param_groups"] for i in g["params"]]
+        state, new_groups, j = {}, [], 0
+        for g in self.param_groups:
+            src = sd["param_groups"][0 if g["params"][0].dim() >= 2 else 1]
+            ids = []
+            for p in g["params"]:
+                k = saved_index[at[id(p)]]
+                if k in sd["state"]:
+                    state[j] = sd["state"][k]
+                ids.append(j)
+                j += 1
+            new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "chunk": g["chunk"], "params": ids})
+        return {"state": state, "param_groups": new_groups}
 
     def step(self, closure=None):
         if not self.overlap:
@@ -90,6 +125,6 @@ def make_optimizer(drafter, lr, weight_decay, overlap=False) -> ChunkedAdamW:
     forward waits per chunk (drafter.params_ready)."""
     dev = next(drafter.parameters()).device
     opt = ChunkedAdamW(param_chunks(drafter), lr=lr, weight_decay=weight_decay, overlap=overlap,
-                       betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+                       module_order=drafter.parameters(), betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
     drafter.params_ready = opt.wait if opt.overlap else None
     return opt

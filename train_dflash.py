@@ -902,9 +902,9 @@ def main(argv):
                     opt.load_state_dict(state["optimizer"])
                 except ValueError as e:
                     raise SystemExit(f"error: the optimizer state in {resume_path} does not match this drafter's "
-                                     f"parameter groups ({e}); it was written by another drafter shape or an older "
-                                     f"version of the optimizer (optim.py: one group pair per layer). Start over "
-                                     f"with RESUME=scratch, or resume with the code that wrote it") from e
+                                     f"parameters ({e}); it was written for another drafter shape "
+                                     f"(NUM_DRAFT_LAYERS, TARGET_LAYER_IDS or the target). Resume with the settings "
+                                     f"that wrote it, or start over in another OUT_DIR") from e
                 torch.set_rng_state(state["rng"]["torch"].cpu())
                 random.setstate(state["rng"]["python"])
                 np.random.set_state(state["rng"]["numpy"])

@@ -1,5 +1,7 @@
 """optim.py: the drafter's chunked AdamW equals the plain two-group AdamW, and on CUDA the overlapped step (side
 stream, the forward waiting per chunk) equals the step after the backward, bitwise."""
+import copy
+
 import pytest
 import torch
 
@@ -92,3 +94,39 @@ def test_overlapped_step_equals_plain_step_on_cuda(build_drafter, tiny_qwen3_dir
     assert len(set(runs[True][0].tolist())) == 3, "the parameters changed between steps"
     for a, b in zip(runs[True][1], runs[False][1]):
         assert torch.equal(a, b)
+
+
+def test_reads_the_former_two_group_optimizer_state(build_drafter, tiny_qwen3_dir):
+    """A checkpoint written before the chunked groups (AdamW([matrices, vectors]) over drafter.parameters()) loads
+    with its moments and step counts moved to the same parameters: continuing from it equals continuing the old
+    optimizer, bitwise. A state of another shape is refused with the counts."""
+    old_d, new_d = (build_drafter(tiny_qwen3_dir, num_layers=2, seed=3) for _ in range(2))
+    params = list(old_d.parameters())
+    old = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(1)
+
+    def grads():
+        return [torch.randn(p.shape, generator=g) for p in params]
+    for _ in range(2):
+        for p, x in zip(old_d.parameters(), grads()):
+            p.grad = x
+        old.step()
+    new_d.load_state_dict(old_d.state_dict())
+    new = make_optimizer(new_d, 5e-3, 0.0)                       # other settings: the checkpoint's win, as in torch
+    new.load_state_dict(copy.deepcopy(old.state_dict()))          # as from a file: no tensors shared with `old`
+    assert {grp["lr"] for grp in new.param_groups} == {1e-2}
+    assert {grp["weight_decay"] for grp in new.param_groups if grp["params"][0].dim() >= 2} == {0.1}
+    for _ in range(2):
+        gs = grads()
+        for d in (old_d, new_d):
+            for p, x in zip(d.parameters(), gs):
+                p.grad = x.clone()
+        old.step()
+        new.step()
+    for (name, p), q in zip(old_d.named_parameters(), new_d.parameters()):
+        assert torch.equal(p, q), name
+    small = torch.optim.AdamW([{"params": params[:3]}, {"params": params[-1:]}], lr=1e-2)
+    with pytest.raises(ValueError, match="groups of \\[3, 1\\] parameters"):
+        make_optimizer(build_drafter(tiny_qwen3_dir, num_layers=2), 1e-2, 0.0).load_state_dict(small.state_dict())
