@@ -757,6 +757,7 @@ def main(argv):
             mplan = estimate({**config, "MAX_LEN": int(max(data.plan.lengths))}, hf_cfg, d.world, gpu_mem)
             if d.is_master:
                 log(format_plan(mplan))
+            d.mem_estimate = mplan["roles"][d.role]["total"]                  # read back by log_peak_memory
             errs = check_fits(mplan, gpu_mem)
             if errs:
                 sys.exit("error: the config does not fit this GPU (planner.py):\n  - " + "\n  - ".join(errs))
@@ -986,8 +987,11 @@ def log_peak_memory(d):
     import torch
     if d.device.type == "cuda":
         gib = 2 ** 30
-        log(f"[rank {d.rank} {d.role}] peak GPU memory: {torch.cuda.max_memory_allocated(d.device) / gib:.2f} GiB "
-            f"allocated, {torch.cuda.max_memory_reserved(d.device) / gib:.2f} GiB reserved by the caching allocator")
+        peak = torch.cuda.max_memory_allocated(d.device)
+        est = getattr(d, "mem_estimate", None)
+        vs = f" (planner estimate {est / gib:.2f} GiB, estimate/measured {est / max(peak, 1):.3f})" if est else ""
+        log(f"[rank {d.rank} {d.role}] peak GPU memory: {peak / gib:.2f} GiB allocated{vs}, "
+            f"{torch.cuda.max_memory_reserved(d.device) / gib:.2f} GiB reserved by the caching allocator")
 
 
 def finish(d, watchdog, code):

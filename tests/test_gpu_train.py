@@ -1,5 +1,7 @@
 """The GPU path of the trainer (NCCL transport, flex_attention, bf16): the same checks as tests/test_train.py.
 Skipped without 2 GPUs; run on the device machine with `python -m pytest tests/test_gpu_train.py`."""
+import re
+
 import pytest
 import torch
 
@@ -17,6 +19,10 @@ def test_nccl_features_equal_direct_and_flex_training_learns(tmp_path):
     r = run(2, base_args(target, data, out, EPOCHS=12, LR=1e-2, DUMP_BATCHES=6))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "attention=flex" in r.stdout and "torch.bfloat16" in r.stdout
+    # each GPU rank reports its peak memory at the end, next to the planner's estimate
+    for who in ("rank 0 target", "rank 1 drafter"):
+        assert re.search(rf"\[{who}\] peak GPU memory: [\d.]+ GiB allocated \(planner estimate [\d.]+ GiB, "
+                         rf"estimate/measured [\d.]+\)", r.stdout), r.stdout[-3000:]
     t = Target(target, "cuda", torch.bfloat16, default_layer_ids(4, 1))
     worst = 0.0
     for p in sorted((out / "dump").glob("g*.pt")):
