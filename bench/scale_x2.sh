@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 5 scaled down to one nvidia-h200-x2 machine: the reference 8-GPU config (TOKEN_BUDGET 49152, BLOCK_SIZE 32,
 # MAX_ANCHORS 1024, GAMMA 10, GRAD_ACCUM 4, expandable_segments) with a random Qwen3-8B on 1 target + 1 drafter
-# rank, eager, in three runs:
+# rank (NPROC, TARGETS; KILL_RANK: the rank B kills, default the first drafter, which writes the checkpoints),
+# eager, in three runs:
 #   A  uninterrupted, STEPS optimizer steps, a checkpoint every SAVE steps (the reference);
-#   B  the same, with the drafter rank killed (-9) after the status line of step KILL_AT: the time from the kill
+#   B  the same, with rank KILL_RANK killed (-9) after the status line of step KILL_AT: the time from the kill
 #      to the end of the whole job, and the reason it printed;
 #   C  B's OUT_DIR again with RESUME=auto: it must resume from B's last checkpoint and end where A ended.
 #      (C writes into B's OUT_DIR: the compare reads runs A and B.)
@@ -17,6 +18,7 @@ ASSETS=${ASSETS:-/tmp/bench_assets}
 RUNS=${RUNS:-/tmp/scale_runs}
 PY=${PY:-python3}
 STEPS=${STEPS:-6}; SAVE=${SAVE:-4}; KILL_AT=${KILL_AT:-5}
+NPROC=${NPROC:-2}; TARGETS=${TARGETS:-1}; KILL_RANK=${KILL_RANK:-$TARGETS}   # x8: NPROC=8 TARGETS=5 (5 -> 3)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 rm -rf "$RUNS"
@@ -24,10 +26,10 @@ S="$OUT/summary.txt"; : > "$S"
 [[ -f "$ASSETS/target/config.json" ]] || $PY -m bench.bench_dflash --write-assets "$ASSETS" --shape qwen3-8b > /tmp/scale_assets.txt 2>&1
 
 run() {   # run NAME: train_dflash.py at the reference config, 1 target + 1 drafter
-    exec $PY -m torch.distributed.run --standalone --nproc-per-node 2 train_dflash.py --TARGET="$ASSETS/target" \
+    exec $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" train_dflash.py --TARGET="$ASSETS/target" \
         --DATA="$ASSETS/data" --MASK_TOKEN_ID=151669 --TARGET_LAYER_IDS=1,9,17,25,33 --NUM_DRAFT_LAYERS=5 \
         --BLOCK_SIZE=32 --GAMMA=10 --MAX_ANCHORS=1024 --TOKEN_BUDGET=49152 --MAX_BATCH_SIZE=64 --GRAD_ACCUM=4 \
-        --MAX_STEPS="$STEPS" --SAVE_EVERY="$SAVE" --KEEP_LAST=1 --LOG_EVERY=1 --OUT_DIR="$RUNS/$1" ${EXTRA:-}
+        --TARGET_RANKS="$TARGETS" --MAX_STEPS="$STEPS" --SAVE_EVERY="$SAVE" --KEEP_LAST=1 --LOG_EVERY=1 --OUT_DIR="$RUNS/$1" ${EXTRA:-}
 }
 
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 > "$OUT/A_nvidia_smi.csv" 2>/dev/null &
@@ -41,9 +43,9 @@ grep -E "peak GPU memory|memory per GPU|  (target|drafter) .*GiB peak|throughput
 ( run B ) > "$OUT/B.txt" 2>&1 &
 job=$!
 until grep -q "step=$KILL_AT/" "$OUT/B.txt" 2>/dev/null || ! kill -0 $job 2>/dev/null; do sleep 0.2; done
-pid=$(grep -oE "\] rank 1/2 [^ ]+ on .* pid [0-9]+" "$OUT/B.txt" | grep -oE "[0-9]+$" | head -1)
+pid=$(grep -oE "\] rank $KILL_RANK/$NPROC [^ ]+ on .* pid [0-9]+" "$OUT/B.txt" | grep -oE "[0-9]+$" | head -1)
 if [[ -n "$pid" ]] && kill -0 $job 2>/dev/null; then
-    tk=$(date +%s%N); kill -9 "$pid"; echo "B: kill -9 of rank 1 (drafter, pid $pid) after the status line of step $KILL_AT" >> "$S"
+    tk=$(date +%s%N); kill -9 "$pid"; echo "B: kill -9 of rank $KILL_RANK (pid $pid) after the status line of step $KILL_AT" >> "$S"
     for _ in $(seq 1 1200); do kill -0 $job 2>/dev/null || break; sleep 0.1; done
     if kill -0 $job 2>/dev/null; then echo "B: job STILL RUNNING 120 s after the kill" >> "$S"; pkill -9 -f train_dflash.py
     else wait $job; rc=$?; echo "B: job ended with exit $rc $(( ($(date +%s%N) - tk) / 1000000 )) ms after the kill" >> "$S"; fi
