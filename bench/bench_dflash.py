@@ -449,6 +449,15 @@ def synthetic_features(c, T):
     return pool[:T].clone()
 
 
+def packet_anchors(lengths, loss_mask, g):
+    """(doc_ids, positions, anchors) of micro-batch g as train_dflash.make_prepare draws them (same seed)."""
+    from model.objective import pack, sample_anchors
+    doc_ids, positions = pack(lengths)
+    anchors = sample_anchors(loss_mask, doc_ids, td.MAX_ANCHORS, torch.Generator().manual_seed(td.micro_seed(g)),
+                             td.MIN_ANCHORS_PER_DOC)
+    return doc_ids, positions, anchors
+
+
 def synthetic_packet(c, lengths, g):
     """What a drafter rank receives for micro-batch g of these sequence lengths: tokens packed, random features."""
     from pipe import Packet
@@ -459,7 +468,6 @@ def synthetic_packet(c, lengths, g):
 
 def bench_drafter(args, c) -> dict:
     from model.attention import warmup_flex_attention
-    from model.objective import pack, sample_anchors
     if args.switch_interval:   # how often the feeder thread must hand the GIL back to the main (launching) thread
         sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
@@ -501,9 +509,7 @@ def bench_drafter(args, c) -> dict:
     B, L, K = c.dcfg.block_size, c.dcfg.num_hidden_layers, c.dcfg.num_taps
     flops, samples, tokens = {}, 0, 0
     for g, n, loss_mask, T, N, R in items:
-        doc_ids, positions = pack(n)
-        anchors = sample_anchors(loss_mask, doc_ids, td.MAX_ANCHORS, torch.Generator().manual_seed(td.micro_seed(g)),
-                                 td.MIN_ANCHORS_PER_DOC)
+        _, positions, anchors = packet_anchors(n, loss_mask, g)
         assert len(anchors) == N, "anchor draw differs from make_prepare's"
         f = drafter_flops(c.sizes, L, K, T, N * B, R, visible_pairs(positions, anchors, B))
         flops = {k: flops.get(k, 0) + v for k, v in f.items()}
@@ -548,12 +554,9 @@ def doc_mask_mod_twin(bm, packet, c):
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import BlockMask
     from model.attention import dflash_mask_mod, to_device
-    from model.objective import pack, sample_anchors
     B = c.dcfg.block_size
     q_len, kv_len = bm.seq_lengths
-    ctx_doc = pack(packet.lengths)[0]
-    a_idx = sample_anchors(packet.loss_mask, ctx_doc, td.MAX_ANCHORS,
-                           torch.Generator().manual_seed(td.micro_seed(packet.g)), td.MIN_ANCHORS_PER_DOC)
+    ctx_doc, _, a_idx = packet_anchors(packet.lengths, packet.loss_mask, packet.g)
     T, N = ctx_doc.shape[0], a_idx.shape[0]
     n_pad = -(-q_len // B) - N
     i32 = lambda x: to_device(torch.tensor(x, dtype=torch.int32), c.device)   # noqa: E731

@@ -47,9 +47,9 @@ def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_bl
 
     anchor_pos [N]: index of each anchor in the packed [T]; anchor_doc [N]: its document; ctx_doc [T]: document of
     every context row (-1 = padding, never visible). ctx_len, num_blocks: T and N, ints or 0-dim int32 tensors on
-    the mask's device; the mask_mod holds them as tensors, so a compiled kernel reads them instead of baking them in
-    (one compile for every micro-batch). Query rows past N*B (flex's padding) see nothing. causal_block /
-    sliding_window: the sliding-window variant.
+    the mask's device; the mask_mod holds them as tensors, so a compiled flex kernel over it (the bench's
+    comparison with interval_mask_mod) reads them instead of baking them in. Query rows past N*B (flex's padding)
+    see nothing. causal_block / sliding_window: the sliding-window variant.
     """
     # int32 like flex's q_idx / kv_idx: int64 scalars would turn the kernel's index arithmetic into 64-bit
     # divisions (the static backward ran 23% slower with them)
