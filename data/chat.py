@@ -203,7 +203,7 @@ def tokenize_chat(tokenizer, messages, max_len, enable_thinking=None, overlong="
     cut = False
     if overlong == "truncate":
         messages, cut = _cut_chars(messages, max_len * MAX_CHARS_PER_TOKEN)
-    if enable_thinking is False and any(m["role"] == "assistant" and _has_reasoning(m) for m in messages):
+    if enable_thinking is False and any(m["role"] == "assistant" and has_reasoning(m) for m in messages):
         raise RowError("thinking_mismatch", "reasoning in an assistant turn with thinking off")
     text, spans = assistant_spans(tokenizer, messages, enable_thinking)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -226,7 +226,7 @@ def tokenize_chat(tokenizer, messages, max_len, enable_thinking=None, overlong="
     return ids, mask
 
 
-def _has_reasoning(m) -> bool:
+def has_reasoning(m) -> bool:
     """Non-empty <think>...</think> (or a `reasoning_content` field): the target would not write it with thinking off."""
     if (m.get("reasoning_content") or "").strip():
         return True

@@ -28,7 +28,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from data.chat import ROLE_ALIASES, RowError, normalize_messages
+from data.chat import ROLE_ALIASES, RowError, has_reasoning, normalize_messages
 from data.prepare import read_rows
 
 RETRY_BACKOFF_S = 0.5     # sleep before the 2nd try of a failed request or batch; doubles per try, at most 8 s
@@ -108,12 +108,14 @@ def read_prompts(path: Path, turns: str, limit: int = 0):
 
 
 def read_done(output: Path) -> set[str]:
-    """Ids already written. A torn last line (killed mid-write: no newline yet) is cut off so appends stay valid
-    JSONL; a bad line before it is an error, not something to cut (the good rows after it would go too)."""
+    """Ids already written. A last line that does not parse (killed mid-write) is torn: it is cut off so appends
+    stay valid JSONL and its prompt is redone. A complete last row that only lacks its newline (an editor, a
+    concatenation) is kept and given one. A bad line before the last is an error, not something to cut (the good
+    rows after it would go too)."""
     if not output.exists():
         return set()
     data = output.read_bytes()
-    lines = data.split(b"\n")  # the last item is what follows the final newline: empty unless torn
+    lines = data.split(b"\n")  # the last item is what follows the final newline: empty unless unterminated
     done = set()
     for n, line in enumerate(lines[:-1], 1):
         if not line.strip():
@@ -123,10 +125,16 @@ def read_done(output: Path) -> set[str]:
         except (ValueError, AttributeError) as e:
             raise SystemExit(f"regenerate: {output}:{n} is not a finished row ({e}); only a torn last line is "
                              f"repaired by itself: fix or remove this one")
-    if lines[-1]:
-        print(f"regenerate: dropping a torn last line of {output} ({len(lines[-1])} bytes)", file=sys.stderr)
-        with open(output, "r+b") as f:
-            f.truncate(len(data) - len(lines[-1]))
+    if lines[-1].strip():
+        try:
+            done.add(row_id(json.loads(lines[-1])))
+        except (ValueError, AttributeError):
+            print(f"regenerate: dropping a torn last line of {output} ({len(lines[-1])} bytes)", file=sys.stderr)
+            with open(output, "r+b") as f:
+                f.truncate(len(data) - len(lines[-1]))
+        else:
+            with open(output, "ab") as f:
+                f.write(b"\n")
     return done
 
 
@@ -205,24 +213,36 @@ class LocalBackend:
 
 
 class HttpBackend:
-    """OpenAI-compatible /v1/chat/completions (SGLang, vLLM). One request per conversation turn."""
+    """OpenAI-compatible /v1/chat/completions (SGLang, vLLM). One request per conversation turn.
+
+    A server with a reasoning parser returns a thinking model's reasoning apart from its answer, in
+    `message.reasoning_content` (SGLang, vLLM) or `message.reasoning` (newer vLLM). It is put back in front of the
+    answer as `<think>\nREASONING\n</think>\n\nANSWER`, the text the model generated: Qwen3-style templates
+    render that as the think block (and drop it from earlier turns), data.chat.has_reasoning sees it."""
 
     def __init__(self, endpoint, model, max_new_tokens, temperature, thinking, timeout):
         self.url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/v1") else "/v1") + "/chat/completions"
         self.model, self.max_new, self.temperature, self.thinking, self.timeout = (
             model, max_new_tokens, temperature, thinking, timeout)
 
-    def one(self, messages) -> tuple[str, str]:
+    def one(self, messages) -> tuple[str, str, bool]:
+        """-> (answer text, "stop" | "length", whether it holds reasoning)."""
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_new, "temperature": self.temperature}
         if self.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking}
         req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
             choice = json.loads(r.read())["choices"][0]
-        text = choice["message"]["content"]
+        msg = choice["message"]
+        text = msg.get("content")
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if isinstance(reasoning, str) and reasoning.strip():  # content is null when the answer was cut mid-thought
+            text = f"<think>\n{reasoning.strip()}\n</think>\n\n{(text or '').strip()}"
         if not isinstance(text, str):
             raise ValueError(f"server returned no text: {str(choice)[:200]}")
-        return text.strip(), "length" if choice.get("finish_reason") == "length" else "stop"
+        text = text.strip()
+        why = "length" if choice.get("finish_reason") == "length" else "stop"
+        return text, why, has_reasoning({"content": text})
 
 
 # --- driver ---------------------------------------------------------------------------------------------------------
@@ -268,27 +288,33 @@ def run_local(backend, todo, sink, batch_size, retries, progress):
         progress(len(chunk))
 
 
-def run_http(backend, todo, sink, concurrency, retries, progress):
+def run_http(backend, todo, sink, concurrency, retries, progress) -> int:
+    """-> rows with an answer that holds no reasoning (counted with --thinking on only: the server's reasoning
+    parser may be off, or the model does not think)."""
     def one(item):
         row, history, asks = item
-        conv, reasons = list(history), []
+        conv, reasons, reasoned = list(history), [], True
         try:
             for ask in asks:
                 conv.append(ask)
-                text, why = with_retries(lambda: backend.one(conv), retries, row_id(row))
+                text, why, thought = with_retries(lambda: backend.one(conv), retries, row_id(row))
                 conv.append({"role": "assistant", "content": text})
                 reasons.append(why)
+                reasoned &= thought
         except Exception as e:  # noqa: BLE001 - recorded per prompt, the run goes on
-            return row, None, e
-        return row, conv, reasons
+            return row, None, e, True
+        return row, conv, reasons, reasoned
 
+    no_reasoning = 0
     with ThreadPoolExecutor(concurrency) as pool:
-        for row, conv, info in pool.map(one, todo):
+        for row, conv, info, reasoned in pool.map(one, todo):
             if conv is None:
                 sink.failed(row, info)
             else:
                 sink.done(row, conv, info)
+                no_reasoning += backend.thinking is True and not reasoned
             progress(1)
+    return no_reasoning
 
 
 def main(argv=None) -> dict:
@@ -323,7 +349,7 @@ def main(argv=None) -> dict:
     print(f"regenerate: {len(prompts) - len(todo):,} already done, {len(todo):,} to do, "
           f"{skipped.total():,} unreadable rows skipped{f' ({why})' if why else ''}, {dupes:,} duplicate ids")
     counts = {"done_before": len(prompts) - len(todo), "todo": len(todo), "skipped": dict(skipped),
-              "duplicates": dupes, "failed": 0}
+              "duplicates": dupes, "failed": 0, "no_reasoning": 0}
     if not todo:
         return counts
     from tqdm import tqdm
@@ -336,10 +362,14 @@ def main(argv=None) -> dict:
     else:
         backend = HttpBackend(args.endpoint, args.served_model, args.max_new_tokens, args.temperature, thinking,
                               args.timeout)
-        run_http(backend, todo, sink, args.concurrency, args.retries, bar.update)
+        counts["no_reasoning"] = run_http(backend, todo, sink, args.concurrency, args.retries, bar.update)
     bar.close()
     sink.close()
     counts["failed"] = sink.n_failed
+    if counts["no_reasoning"]:
+        print(f"regenerate: warning: {counts['no_reasoning']:,} rows got an answer without reasoning although "
+              f"--thinking on (no reasoning_content or <think> block): check that the server runs a reasoning "
+              f"parser and that the model thinks", file=sys.stderr)
     print(f"regenerate: wrote {args.output}" + (f"; {counts['failed']:,} failed, see {args.output}.errors.jsonl"
                                                  if counts["failed"] else ""))
     return counts

@@ -16,6 +16,7 @@ from data import regenerate as regen
 from data.chat import RowError, normalize_messages
 
 SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
+QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -36,6 +37,17 @@ def user(text):
 
 def assistant(text):
     return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    """The real Qwen3 tokenizer and chat template from the fixture (tokenizer.json stored xz-compressed)."""
+    import lzma
+    from transformers import AutoTokenizer
+    d = tmp_path_factory.mktemp("qwen3_tokenizer")
+    (d / "tokenizer.json").write_bytes(lzma.open(QWEN3_FIXTURE / "tokenizer.json.xz").read())
+    shutil.copy(QWEN3_FIXTURE / "tokenizer_config.json", d)
+    return AutoTokenizer.from_pretrained(d)
 
 
 @pytest.fixture(autouse=True)
@@ -110,11 +122,13 @@ def answer(text: str) -> str:
 class FakeServer:
     """/v1/chat/completions answering `answer(last user content)`. Requests are counted per conversation (its first
     user turn); `fail_once` prompts get one HTTP 500 first, `fail_always` prompts only 500s; "long" prompts end
-    with finish_reason "length"."""
+    with finish_reason "length"; `reasoning` maps a last user content to (field, text) sent beside the answer, as a
+    server with a reasoning parser does."""
 
     def __init__(self):
         self.requests, self.bodies = Counter(), []
         self.fail_once, self.fail_always = {"flaky"}, {"broken"}
+        self.reasoning = {}
         self.lock = threading.Lock()
         server = self
 
@@ -130,7 +144,11 @@ class FakeServer:
                 if self.path != "/v1/chat/completions" or fail:
                     self.send_error(500 if fail else 404)
                     return
-                reply = {"choices": [{"message": {"role": "assistant", "content": " " + answer(users[-1]) + "\n"},
+                message = {"role": "assistant", "content": " " + answer(users[-1]) + "\n"}
+                if users[-1] in server.reasoning:
+                    field, text = server.reasoning[users[-1]]
+                    message[field] = text
+                reply = {"choices": [{"message": message,
                                       "finish_reason": "length" if "long" in users[-1] else "stop"}]}
                 data = json.dumps(reply).encode()
                 self.send_response(200)
@@ -187,7 +205,8 @@ def test_http_resume_retry_errors_torn_line(tmp_path, server):
     inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS), tmp_path / "regen.jsonl"
     errors = Path(str(out) + ".errors.jsonl")
     counts = run(inp, out, server)
-    assert counts == {"done_before": 0, "todo": 7, "skipped": {"malformed_json": 1}, "duplicates": 1, "failed": 1}
+    assert counts == {"done_before": 0, "todo": 7, "skipped": {"malformed_json": 1}, "duplicates": 1, "failed": 1,
+                      "no_reasoning": 0}
     rows = by_id(out)
     assert set(rows) == {"a", "b", "c", "flaky", "long", NOID_ID}
     assert rows["a"]["messages"] == [user("alpha"), assistant(answer("alpha"))] and rows["a"]["category"] == "x"
@@ -222,6 +241,39 @@ def test_http_resume_retry_errors_torn_line(tmp_path, server):
     with pytest.raises(SystemExit, match="regen.jsonl:1 "):
         run(inp, out, server)
     assert out.read_bytes() == b'{"id": "x", "mess\n' + good
+
+
+def test_complete_last_row_without_newline_is_kept(tmp_path, server):
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:3]), tmp_path / "regen.jsonl"
+    run(inp, out, server)
+    out.write_bytes(out.read_bytes().rstrip(b"\n"))  # e.g. saved by an editor: every row complete, no final newline
+    before = Counter(server.requests)
+    assert run(inp, out, server)["todo"] == 0 and server.requests == before
+    assert set(by_id(out)) == {"a", "b", "c"}
+    server.requests.clear()
+    write_jsonl(inp, PROMPTS[:4])  # a new prompt appended after the repaired row is a row of its own
+    assert run(inp, out, server)["todo"] == 1 and set(by_id(out)) == {"a", "b", "c", "flaky"}
+
+
+def test_http_keeps_reasoning(tmp_path, server, qwen3_tokenizer):
+    from data.chat import render, tokenize_chat
+    rows = [{"id": "rc", "messages": [user("why")]}, {"id": "r", "messages": [user("how")]},
+            {"id": "none", "messages": [user("what")]}, {"id": "multi", "messages": [user("q1"), user("q2")]}]
+    server.reasoning = {"why": ("reasoning_content", "\nBecause.\n"), "how": ("reasoning", "Like so."),
+                        "q1": ("reasoning_content", "first")}  # "multi" thinks on its first turn only
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", rows), tmp_path / "regen.jsonl"
+    counts = run(inp, out, server, "--thinking", "on")
+    assert counts["no_reasoning"] == 2 and counts["failed"] == 0  # "none" and "multi"
+    got = by_id(out)
+    assert got["rc"]["messages"][-1] == assistant(f"<think>\nBecause.\n</think>\n\n{answer('why')}")
+    assert got["r"]["messages"][-1] == assistant(f"<think>\nLike so.\n</think>\n\n{answer('how')}")
+    assert got["none"]["messages"][-1] == assistant(answer("what"))
+    # Qwen3's template renders the stored row exactly as the server's message with its reasoning_content field
+    served = [user("why"), {"role": "assistant", "content": answer("why"), "reasoning_content": "Because."}]
+    assert render(qwen3_tokenizer, got["rc"]["messages"], True) == render(qwen3_tokenizer, served, True)
+    ids, mask = tokenize_chat(qwen3_tokenizer, got["rc"]["messages"], 4096, enable_thinking=True)
+    assert qwen3_tokenizer.decode([t for t, m in zip(ids, mask) if m]).startswith("<think>\nBecause.\n</think>")
+    assert run(inp, tmp_path / "auto.jsonl", server)["no_reasoning"] == 0  # counted only with --thinking on
 
 
 def test_http_turns_last(tmp_path, server):
