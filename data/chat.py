@@ -70,11 +70,12 @@ def normalize_messages(row) -> list[dict]:
     for t in turns:
         if not isinstance(t, dict):
             raise RowError("malformed_message", f"turn is a {type(t).__name__}")
-        raw_role = t.get("role", t.get("from"))
+        # Parquet and datasets give every turn every column of the file: a ShareGPT turn may carry role: null
+        raw_role = t.get("role") if t.get("role") is not None else t.get("from")
         role = ROLE_ALIASES.get(raw_role.lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise RowError("unknown_role", repr(raw_role)[:40])
-        content = t.get("content", t.get("value"))
+        content = t.get("content") if t.get("content") is not None else t.get("value")
         tool_calls = t.get("tool_calls") if role == "assistant" else None
         if raw_role.lower() == "function_call":
             tool_calls, content = [_parse_tool_call(content)], ""
@@ -89,6 +90,9 @@ def normalize_messages(row) -> list[dict]:
         msg = {"role": role, "content": content}
         if tool_calls:
             msg["tool_calls"] = tool_calls
+        reasoning = t.get("reasoning_content") if role == "assistant" else None
+        if isinstance(reasoning, str) and reasoning.strip():  # Qwen3-style templates render it as the think block
+            msg["reasoning_content"] = reasoning
         if role == "tool" and t.get("tool_call_id") is not None:
             msg["tool_call_id"] = t["tool_call_id"]
         messages.append(msg)
@@ -171,13 +175,18 @@ def assistant_spans(tokenizer, messages, enable_thinking=None) -> tuple[str, lis
     for m in messages:  # templates may silently drop roles they do not know (Qwen3 ignores anything but 4 roles)
         if m["role"] != "assistant" and m["content"].strip() and m["content"].strip() not in text:
             raise RowError("unsupported_role" if m["role"] == "tool" else "dropped_by_template", m["role"])
+    first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+    if messages[first]["role"] == "assistant":
+        # nothing prompts it, and the template would put its default system prompt and the assistant header in a
+        # prompt we cannot render (no user turn before it): they would be supervised as if the target wrote them
+        raise RowError("assistant_first", "the first non-system turn is the assistant's")
     eot = end_of_turn(tokenizer, enable_thinking)
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         try:
-            prompt = render(tokenizer, messages[:i], enable_thinking, add_generation_prompt=True) if i else ""
+            prompt = render(tokenizer, messages[:i], enable_thinking, add_generation_prompt=True)
         except Exception as e:
             raise RowError("template_error", f"prompt of turn {i}: {e}"[:80])
         common = _common_prefix_len(prompt, text)
@@ -187,6 +196,10 @@ def assistant_spans(tokenizer, messages, enable_thinking=None) -> tuple[str, lis
         after = pos + len(tail) if pos >= 0 else start
         stop = text.find(eot, after) if eot else -1
         end = stop + len(eot) if stop >= 0 else (after if pos >= 0 else len(text))
+        if m.get("tool_calls") and not text[start:stop if stop >= 0 else end].strip():
+            # only a tool call, and the template writes nothing for it (SmolLM2's has no tool_calls): the turn would
+            # train its end token after an empty answer
+            raise RowError("tool_call_not_rendered", f"assistant turn {i} is a tool call the template drops")
         if m.get("unfinished") and stop >= 0:
             end = stop  # supervise the text, not the end-of-turn the template appended
         spans.append((start, end, common < len(prompt)))

@@ -46,7 +46,7 @@ def load_part(path: Path):
 def merge(parts, out, overwrite=False) -> dict:
     import datasets
     out = Path(out)
-    check_out(out, overwrite)
+    check_out(out, overwrite, parts)
     loaded = [load_part(Path(p)) for p in parts]
     first = loaded[0][1]
     for p, (_, st) in zip(parts[1:], loaded[1:]):

@@ -1,20 +1,24 @@
 """Tokenize conversations once into a `datasets` folder that the trainer reads.
 
     python -m data.prepare --tokenizer PATH --out DIR [--max-len 4096] [--thinking on|off] [--overlong truncate|drop]
-                           [--num-proc N] INPUT...
+                           [--num-proc N] [--split NAME] [--overwrite] INPUT...
 
-INPUT: .jsonl / .json / .parquet files (.jsonl.gz, .json.gz too) or a `datasets` save_to_disk folder; rows in the
-OpenAI `messages` or the ShareGPT `conversations` format (data/chat.py). Output: DIR (Arrow, `input_ids` int32 list,
-`loss_mask` uint8 list) and DIR/stats.json. A bad row is skipped and counted by reason, with a few `file:line`
-examples; a file that cannot be read at all stops the job with its name. Same inputs -> same `content_hash`.
+INPUT: .jsonl / .json / .parquet files (.jsonl.gz, .json.gz too) or a `datasets` save_to_disk folder (of a
+DatasetDict: its `train` split, or --split); rows in the OpenAI `messages` or the ShareGPT `conversations` format
+(data/chat.py). Output: DIR (Arrow, `input_ids` int32 list, `loss_mask` uint8 list) and DIR/stats.json. A bad row
+is skipped and counted by reason, with a few `file:line` examples (`file:N` is the N-th element of a .json array);
+a file that cannot be read at all stops the job with its name. Same inputs -> same `content_hash`. --overwrite
+replaces only what an earlier data.prepare (or data.merge) wrote in DIR; other files there are left alone.
 """
 import argparse
 import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
+import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -61,30 +65,78 @@ def _read_bytes(path: Path) -> bytes:
     try:
         with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
             return f.read().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM would spoil the first row
-    except OSError as e:
+    except EOFError:
+        _fail(path, "the gzip stream ends early (a truncated download or copy?)")
+    except (OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         _fail(path, e)
 
 
-def read_rows(path: Path):
-    """Yield (src, text, err, detail) for every row of one input; SystemExit when the input is unreadable."""
+_JSON_SYNTAX = re.compile(r'["\\\[\]{},]')  # the only characters that decide where an element of an array ends
+
+
+def _array_elements(text: str) -> list[str] | None:
+    """The texts of the elements of the JSON array `text` that json.loads rejected, split at its top-level commas
+    (outside strings), so that one broken element is one bad row and the others still load. An element whose
+    brackets do not balance swallows the rest of the array (one bad row). None when `text` is not an array."""
+    text = text.lstrip()
+    if not text.startswith("["):
+        return None
+    elements, depth, start, in_string, skip_to = [], 0, 1, False, 0
+    for m in _JSON_SYNTAX.finditer(text):
+        i, c = m.start(), m.group()
+        if i < skip_to:
+            continue
+        if c == "\\":
+            skip_to = i + 2  # the escaped character, whatever it is
+        elif c == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return elements + [text[start:i]]
+        elif depth == 1:  # a comma between elements
+            elements.append(text[start:i])
+            start = i + 1
+    return elements + [text[start:]]  # the array never closes: what is left is one (bad) element
+
+
+def _json_rows(path: Path, data: bytes):
+    try:
+        rows = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        try:
+            elements = _array_elements(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            elements = None
+        if elements is None:  # often JSONL under a .json name: go line by line
+            yield from _lines(path, data)
+            return
+        for n, element in enumerate(elements, 1):
+            if element.strip():  # a trailing comma leaves an empty one
+                yield f"{path}:{n}", element.strip(), "", ""
+        return
+    rows = rows if isinstance(rows, list) else [rows]
+    for n, row in enumerate(rows, 1):
+        yield f"{path}:{n}", json.dumps(row, ensure_ascii=False), "", ""
+
+
+def read_rows(path: Path, split: str | None = None):
+    """Yield (src, text, err, detail) for every row of one input; SystemExit when the input is unreadable.
+    split: the split of a DatasetDict folder (None: `train`)."""
     if not path.exists():
         _fail(path, "no such file or folder")
     if path.is_dir():
-        yield from _read_datasets_folder(path)
+        yield from _read_datasets_folder(path, split)
         return
     kind = path.name.removesuffix(".gz").rsplit(".", 1)[-1].lower()
     if kind == "jsonl":
         yield from _lines(path, _read_bytes(path))
     elif kind == "json":
-        data = _read_bytes(path)
-        try:
-            rows = json.loads(data)
-        except (ValueError, UnicodeDecodeError):  # often JSONL under a .json name: go line by line
-            yield from _lines(path, data)
-            return
-        rows = rows if isinstance(rows, list) else [rows]
-        for n, row in enumerate(rows, 1):
-            yield f"{path}:{n}", json.dumps(row, ensure_ascii=False), "", ""
+        yield from _json_rows(path, _read_bytes(path))
     elif kind == "parquet":
         import pyarrow.parquet as pq
         try:
@@ -100,27 +152,37 @@ def read_rows(path: Path):
         _fail(path, "unsupported format (expected .jsonl, .json, .parquet or a datasets folder)")
 
 
-def _read_datasets_folder(path: Path):
+def _read_datasets_folder(path: Path, split: str | None):
     import datasets
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # not a save_to_disk folder, or corrupt
         _fail(path, f"not a datasets folder ({e})")
-    parts = ds.items() if isinstance(ds, datasets.DatasetDict) else [("", ds)]
-    for split, d in parts:
-        tag = f"{path}[{split}]" if split else str(path)
-        for n, row in enumerate(d, 1):
-            yield f"{tag}:{n}", json.dumps(row, ensure_ascii=False, default=str), "", ""
+    tag = str(path)
+    if isinstance(ds, datasets.DatasetDict):  # never all splits: a test split must not leak into training
+        names = list(ds)
+        pick = split or ("train" if "train" in ds else names[0] if len(names) == 1 else None)
+        if pick not in ds:
+            _fail(path, f"it has no split {split!r} (splits: {', '.join(names)}); pick one with --split" if split
+                  else f"it has splits {', '.join(names)} and none is called train; pick one with --split")
+        if len(names) > 1:
+            print(f"note: {path} has splits {', '.join(names)}: reading {pick!r} only"
+                  + ("" if split else " (--split picks another)"))
+        ds, tag = ds[pick], f"{path}[{pick}]"
+    elif split:
+        print(f"note: {path} is a single dataset without splits; --split {split} does not apply to it")
+    for n, row in enumerate(ds, 1):
+        yield f"{tag}:{n}", json.dumps(row, ensure_ascii=False, default=str), "", ""
 
 
-def write_raw(inputs, raw_path: Path) -> list[dict]:
+def write_raw(inputs, raw_path: Path, split=None) -> list[dict]:
     """Stream every row of every input into one Arrow file (memory-mapped by the workers); -> per-input counts."""
     counts = []
     with pa.OSFile(str(raw_path), "wb") as sink, pa.ipc.new_stream(sink, RAW_SCHEMA) as w:
         for path in inputs:
             n, buf = 0, defaultdict(list)
-            for src, text, err, detail in tqdm(read_rows(Path(path)), desc=f"read {Path(path).name}", unit=" rows",
-                                               mininterval=1.0):
+            for src, text, err, detail in tqdm(read_rows(Path(path), split), desc=f"read {Path(path).name}",
+                                               unit=" rows", mininterval=1.0):
                 for k, v in zip(("src", "text", "err", "detail"), (src, text, err, detail)):
                     buf[k].append(v)
                 n += 1
@@ -129,6 +191,8 @@ def write_raw(inputs, raw_path: Path) -> list[dict]:
                     buf = defaultdict(list)
             if buf:
                 w.write_batch(pa.record_batch(buf, schema=RAW_SCHEMA))
+            if n == 0:
+                print(f"warning: input {path} has no rows (an empty or blank-only file?)")
             counts.append({"path": str(path), "rows": n})
     return counts
 
@@ -209,31 +273,77 @@ def tokenizer_hash(tok) -> str:
 
 def save(ds, out: Path, extra: dict) -> dict:
     """Write ds into out.tmp, compute its stats from the written copy (memory-mapped), add `extra`, write
-    stats.json, then rename to out: a half-written DIR never looks finished. -> the stats."""
+    stats.json, then move it to out: a half-written DIR never looks finished (stats.json goes last). Into an
+    existing out (--overwrite, checked by check_out) only the files a previous save wrote are replaced. -> the stats."""
     import datasets
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     ds.save_to_disk(str(tmp))
     stats = {**dataset_stats(datasets.load_from_disk(str(tmp)), extra.get("max_len")), **extra}
     (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    if out.is_dir() and any(out.iterdir()):
+        for f in sorted(written_by_save(out), key=lambda f: f.name != "stats.json"):  # unfinished from here on
+            f.unlink()
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "stats.json"):       # finished again at the end
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+    else:
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
     return stats
 
 
-def check_out(out: Path, overwrite: bool):
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise SystemExit(f"{out} already exists; pass --overwrite to replace it")
+DATASET_FILE = re.compile(r"(data|cache)-.*\.arrow|dataset_info\.json|state\.json|stats\.json|dataset_dict\.json")
+
+
+def written_by_save(out: Path) -> list[Path]:
+    """The files an earlier save() left in out (its stats.json says it was one): stats.json, state.json,
+    dataset_info.json and the Arrow files state.json lists. [] when out holds no finished save."""
+    if not (out / "stats.json").is_file():
+        return []
+    try:
+        arrow = [f["filename"] for f in json.loads((out / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        arrow = []
+    return [out / n for n in {*arrow, "dataset_info.json", "state.json", "stats.json"} if (out / n).is_file()]
+
+
+def check_out(out: Path, overwrite: bool, inputs=()):
+    """Refuse before any work: an --out that is a file, that holds (or is) an input, that exists without
+    --overwrite, or that holds dataset files an earlier save() did not write (they would be replaced)."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out} is a file, not a folder: give the path of a folder to write the dataset to")
+    for path in map(Path, inputs):
+        if out.resolve() in (path.resolve(), *path.resolve().parents):
+            raise SystemExit(f"input {path} is inside --out {out}, which the output replaces: write to another "
+                             f"--out, or move the input out of it first")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise SystemExit(f"{out} already exists; pass --overwrite to replace it (only what data.prepare or "
+                         f"data.merge wrote there is replaced)")
+    ours = set(written_by_save(out))
+    foreign = sorted(f.name for f in out.iterdir() if DATASET_FILE.fullmatch(f.name) and f not in ours)
+    if foreign:
+        raise SystemExit(f"--out {out} holds dataset files that are not a data.prepare output ({', '.join(foreign[:5])}"
+                         f"); --overwrite would replace them: pick another --out or remove them yourself")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 
 def prepare(inputs, tokenizer_path, out, max_len=MAX_LEN, thinking=None, overlong="truncate", num_proc=None,
-            overwrite=False) -> dict:
-    """The whole command as a function (tests call it). thinking: None (template default), True, False."""
+            overwrite=False, split=None) -> dict:
+    """The whole command as a function (tests call it). thinking: None (template default), True, False;
+    split: the split of DatasetDict inputs (None: train)."""
     import datasets
     out = Path(out)
-    check_out(out, overwrite)
+    if max_len < 2:
+        raise SystemExit(f"data.prepare: --max-len {max_len} leaves no room for a sample (an anchor and the token "
+                         f"after it need 2); use the length the drafter trains on, e.g. --max-len {MAX_LEN}")
+    if num_proc is not None and num_proc < 1:
+        raise SystemExit(f"data.prepare: --num-proc {num_proc} must be at least 1 (or left out: all CPU cores)")
+    check_out(out, overwrite, inputs)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we parallelise over processes, not threads
     try:
         tok = load_tokenizer(str(tokenizer_path))
@@ -262,8 +372,11 @@ def prepare(inputs, tokenizer_path, out, max_len=MAX_LEN, thinking=None, overlon
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        input_counts = write_raw(inputs, work / "raw.arrow")
+        input_counts = write_raw(inputs, work / "raw.arrow", split)
         raw = datasets.Dataset.from_file(str(work / "raw.arrow"))
+        if len(raw) == 0:
+            raise SystemExit(f"data.prepare: no rows in {', '.join(map(str, inputs))}: every input is empty or "
+                             f"blank-only")
         feats = datasets.Features({"src": datasets.Value("string"), **token_features(),
                                    "reason": datasets.Value("string"), "detail": datasets.Value("string")})
         done = raw.map(_tokenize_batch, batched=True, batch_size=MAP_BATCH, remove_columns=["text", "err"],
@@ -316,10 +429,12 @@ def main(argv=None):
     ap.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
                     help="rows over --max-len: truncate them, or skip them as too_long")
     ap.add_argument("--num-proc", type=int, default=None, help="worker processes (default: all CPU cores)")
-    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    ap.add_argument("--split", default=None, help="split of datasets folders holding several (default: train)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier data.prepare output in --out (other files there are kept)")
     a = ap.parse_args(argv)
     prepare(a.inputs, a.tokenizer, a.out, a.max_len, {None: None, "on": True, "off": False}[a.thinking],
-            a.overlong, a.num_proc, a.overwrite)
+            a.overlong, a.num_proc, a.overwrite, a.split)
 
 
 if __name__ == "__main__":

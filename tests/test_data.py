@@ -164,6 +164,45 @@ def test_straddling_token_is_prompt(smollm2):
     assert supervised_segments(smollm2, ids, mask) == [" Bonjour !<|im_end|>"]
 
 
+@pytest.mark.parametrize("chat", [
+    [{"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "Hey."}],
+    [{"role": "system", "content": "Be kind."}, {"role": "assistant", "content": "Hi!"}],
+])
+def test_assistant_first_is_skipped(smollm2, chat):
+    # the first turn's prompt would be empty: the default system prompt and the header would be supervised
+    with pytest.raises(RowError, match="assistant_first"):
+        tokenize_chat(smollm2, chat, 4096)
+
+
+def test_unrendered_tool_call_is_skipped(smollm2, qwen3):
+    chat = normalize_messages({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                "function": {"name": "wx", "arguments": {}}}]},
+        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]})
+    with pytest.raises(RowError, match="tool_call_not_rendered"):  # it would be an empty turn with its end trained
+        tokenize_chat(smollm2, chat, 4096)
+    ids, mask = tokenize_chat(qwen3, chat, 4096, enable_thinking=False)  # a template that renders the call is fine
+    assert supervised_segments(qwen3, ids, mask)[0].startswith("<tool_call>")
+
+
+def test_null_columns_of_a_unified_schema():
+    # Parquet / datasets give every turn all columns of the file: role null beside from/value, content null
+    row = {"conversations": [{"role": None, "content": None, "from": "human", "value": "q"},
+                             {"role": "assistant", "content": "a", "from": None, "value": None}]}
+    assert normalize_messages(row) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_reasoning_content_field_is_kept(qwen3):
+    row = {"messages": CHAT[:2] + [{"role": "assistant", "content": "It is 4.", "reasoning_content": "add them"}]}
+    msgs = normalize_messages(row)
+    ids, mask = tokenize_chat(qwen3, msgs, 4096, enable_thinking=True)
+    assert supervised_segments(qwen3, ids, mask) == ["<think>\nadd them\n</think>\n\nIt is 4.<|im_end|>"]
+    with pytest.raises(RowError, match="thinking_mismatch"):
+        tokenize_chat(qwen3, msgs, 4096, enable_thinking=False)
+
+
 def test_truncate_drop_and_no_supervised(smollm2):
     long = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 5000}]
     ids, mask = tokenize_chat(smollm2, long, 64)
@@ -197,6 +236,14 @@ BAD_LINES = {  # reason -> raw JSONL line (bytes)
     "bad_encoding": b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "ok"}]}',
     "too_long": json.dumps({"messages": [{"role": "user", "content": "x" * 3000},
                                          {"role": "assistant", "content": "y"}]}).encode(),
+    "assistant_first": json.dumps({"messages": [{"role": "assistant", "content": "Hello! Ask me."},
+                                                {"role": "user", "content": "q"},
+                                                {"role": "assistant", "content": "a b"}]}).encode(),
+    "tool_call_not_rendered": json.dumps({"messages": [  # SmolLM2's template writes nothing for tool_calls
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                              "function": {"name": "wx", "arguments": {}}}]},
+        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}).encode(),
 }
 
 
@@ -260,6 +307,99 @@ def test_prepare_unreadable_inputs(smollm2_path, tmp_path):
         (tmp_path / "o").mkdir(exist_ok=True)
         (tmp_path / "o" / "x").write_text("")
         prep.prepare([tmp_path / "ok.jsonl"], smollm2_path, tmp_path / "o", num_proc=1)
+
+
+def test_prepare_bad_files_and_arguments(smollm2_path, tmp_path, capsys):
+    import gzip
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(json.dumps(_good(1)) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+    (tmp_path / "empty.json").write_text("")
+    for names in (["empty.jsonl"], ["blank.jsonl", "empty.json"]):
+        with pytest.raises(SystemExit, match="no rows in .*empty or blank-only"):
+            prep.prepare([tmp_path / n for n in names], smollm2_path, tmp_path / "o", num_proc=1)
+    assert prep.prepare([ok, tmp_path / "empty.jsonl"], smollm2_path, tmp_path / "o", num_proc=1)["samples"] == 1
+    assert f"warning: input {tmp_path / 'empty.jsonl'} has no rows" in capsys.readouterr().out
+    whole = gzip.compress(b"".join(json.dumps(_good(i)).encode() + b"\n" for i in range(50)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(SystemExit, match=f"cannot read input {tmp_path / 'cut.jsonl.gz'}: the gzip stream ends"):
+        prep.prepare([tmp_path / "cut.jsonl.gz"], smollm2_path, tmp_path / "o2", num_proc=1)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match="is a file, not a folder"):
+        prep.prepare([ok], smollm2_path, tmp_path / "afile", num_proc=1)
+    for bad in (0, 1, -5):
+        with pytest.raises(SystemExit, match=f"--max-len {bad} leaves no room"):
+            prep.main(["--tokenizer", str(smollm2_path), "--out", str(tmp_path / "o3"), "--max-len", str(bad), str(ok)])
+    assert not (tmp_path / "o3").exists()
+
+
+def test_json_array_with_a_broken_element(smollm2_path, tmp_path):
+    good = [json.dumps(_good(i)) for i in range(3)]
+    broken = '{"messages": [{"role": "user", "content": "q"} {"role": "assistant"}]}'  # a missing comma
+    (tmp_path / "arr.json").write_text("[\n  " + ",\n  ".join([good[0], broken, good[1], good[2]]) + "\n]\n")
+    stats = prep.prepare([tmp_path / "arr.json"], smollm2_path, tmp_path / "o", num_proc=1)
+    assert stats["samples"] == 3 and stats["skipped"] == {"malformed_json": 1}
+    assert stats["examples"]["malformed_json"][0].startswith(f"{tmp_path / 'arr.json'}:2:")
+
+
+def test_parquet_with_both_formats(smollm2_path, tmp_path):
+    import datasets
+    rows = [{"conversations": [{"from": "human", "value": "Q one?"}, {"from": "gpt", "value": "A one."}]},
+            {"conversations": [{"role": "user", "content": "Q two?"}, {"role": "assistant", "content": "A two."}]}]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "mixed.parquet"))  # one schema: nulls fill the gaps
+    stats = prep.prepare([tmp_path / "mixed.parquet"], smollm2_path, tmp_path / "o", num_proc=1)
+    assert stats["samples"] == 2 and stats["skipped"] == {}
+
+
+def test_dataset_dict_reads_one_split(smollm2_path, tmp_path, capsys):
+    import datasets
+    dd = datasets.DatasetDict(train=datasets.Dataset.from_list([_good(0), _good(1)]),
+                              test=datasets.Dataset.from_list([_good(2)]))
+    dd.save_to_disk(str(tmp_path / "dd"))
+    tok = prep.load_tokenizer(str(smollm2_path))
+
+    def answers(out):
+        return [supervised_segments(tok, r["input_ids"], r["loss_mask"])[0]
+                for r in datasets.load_from_disk(str(out))]
+    prep.prepare([tmp_path / "dd"], smollm2_path, tmp_path / "tr", num_proc=1)
+    assert answers(tmp_path / "tr") == [_good(i)["messages"][1]["content"] + "<|im_end|>" for i in (0, 1)]
+    assert f"{tmp_path / 'dd'} has splits train, test: reading 'train' only (--split picks another)" in \
+        capsys.readouterr().out
+    prep.prepare([tmp_path / "dd"], smollm2_path, tmp_path / "te", num_proc=1, split="test")
+    assert answers(tmp_path / "te") == [_good(2)["messages"][1]["content"] + "<|im_end|>"]
+    with pytest.raises(SystemExit, match="no split 'dev' \\(splits: train, test\\)"):
+        prep.prepare([tmp_path / "dd"], smollm2_path, tmp_path / "x", num_proc=1, split="dev")
+    datasets.DatasetDict(a=dd["train"], b=dd["test"]).save_to_disk(str(tmp_path / "ab"))
+    with pytest.raises(SystemExit, match="splits a, b and none is called train; pick one with --split"):
+        prep.prepare([tmp_path / "ab"], smollm2_path, tmp_path / "x", num_proc=1)
+
+
+def test_overwrite_replaces_only_its_own_output(smollm2_path, tmp_path):
+    import datasets
+    out = tmp_path / "out"
+    out.mkdir()
+    inside = out / "raw.jsonl"  # the input lives in --out
+    inside.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(3)))
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="input .*raw.jsonl is inside --out"):
+        prep.prepare([inside], smollm2_path, out, num_proc=1, overwrite=True)
+    src = tmp_path / "raw.jsonl"
+    os.replace(inside, src)
+    with pytest.raises(SystemExit, match="already exists; pass --overwrite"):
+        prep.prepare([src], smollm2_path, out, num_proc=1)
+    first = prep.prepare([src], smollm2_path, out, max_len=64, num_proc=1, overwrite=True)  # beside notes.txt
+    second = prep.prepare([src], smollm2_path, out, max_len=40, num_proc=1, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and first["content_hash"] != second["content_hash"]
+    assert sorted(os.listdir(out)) == ["data-00000-of-00001.arrow", "dataset_info.json", "notes.txt", "state.json",
+                                       "stats.json"]
+    assert prep.dataset_stats(datasets.load_from_disk(str(out)), 40)["content_hash"] == second["content_hash"]
+    other = tmp_path / "other"  # a datasets folder data.prepare did not write: --overwrite must not replace it
+    datasets.Dataset.from_list([{"x": 1}]).save_to_disk(str(other))
+    before = sorted(os.listdir(other))
+    with pytest.raises(SystemExit, match="holds dataset files that are not a data.prepare output"):
+        prep.prepare([src], smollm2_path, other, num_proc=1, overwrite=True)
+    assert sorted(os.listdir(other)) == before
 
 
 def test_merge_dedups(smollm2_path, tmp_path):
