@@ -601,6 +601,46 @@ def run_workers(argv, n) -> list[dict]:
         return merge_shards([json.loads(o.read_text())["drafters"] for o in outs])
 
 
+def drafter_folder(path) -> Path:
+    """An exported drafter folder; a checkpoint folder stands for its drafter/ (what the trainer writes there)."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").exists() and (path / "drafter" / "config.json").exists():
+        return path / "drafter"
+    return path
+
+
+def check_args(a) -> list[str]:
+    """What is wrong with the parsed CLI args, each with its fix, found from config files alone: before the target
+    loads (minutes for a large one), not after it."""
+    errs = []
+    for name, value, lo in [("--max-new-tokens", a.max_new_tokens, 1), ("--limit", a.limit, 1),
+                            ("--block-size", a.block_size, 2), ("--tree-budget", a.tree_budget, 0),
+                            ("--tree-top-k", a.tree_top_k, 1), ("--workers", a.workers, 1)]:
+        if value is not None and value < lo:
+            errs.append(f"{name} {value}: must be at least {lo}")
+    try:
+        from transformers import AutoConfig
+        target = AutoConfig.from_pretrained(Path(a.target).expanduser(), local_files_only=True).get_text_config()
+    except (OSError, ValueError) as e:
+        return errs + [f"--target {a.target} is not a local Hugging Face model folder ({str(e)[:120]})"]
+    for path in a.drafter:
+        if not (path / "config.json").exists():
+            errs.append(f"--drafter {path} has no config.json: pass an exported drafter folder (config.json + "
+                        f"model.safetensors), e.g. runs/NAME/checkpoints/step_NNNNNN/drafter")
+            continue
+        c = json.loads((path / "config.json").read_text())
+        mask_id = (c.get("dflash_config") or {}).get("mask_token_id")
+        if not isinstance(mask_id, int) or not 0 <= mask_id < target.vocab_size:
+            errs.append(f"--drafter {path}: its mask_token_id {mask_id} is not a row of the target's embedding "
+                        f"(vocab_size {target.vocab_size}): the drafter was made for another target; pass that "
+                        f"target, or train one for this target (train_dflash.py --MASK_TOKEN_ID=-1 picks a valid id)")
+        if (c.get("hidden_size"), c.get("num_target_layers")) != (target.hidden_size, target.num_hidden_layers):
+            errs.append(f"--drafter {path} (hidden {c.get('hidden_size')}, for a {c.get('num_target_layers')}-layer "
+                        f"target) does not fit --target {a.target} (hidden {target.hidden_size}, "
+                        f"{target.num_hidden_layers} layers): pass the target it was trained for")
+    return errs
+
+
 def write_json(path, obj):
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -634,9 +674,17 @@ def main(argv=None):
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)     # K/N: this process is worker K of N
     p.add_argument("--out", default=None, help="write everything as JSON here")
     a = p.parse_args(argv)
-    if a.workers < 1:
-        p.error(f"--workers must be >= 1, got {a.workers}")
-    prompts = load_prompts(a.prompts, a.limit)
+    a.drafter = [drafter_folder(d) for d in a.drafter]
+    errs = check_args(a)
+    try:
+        prompts = load_prompts(a.prompts, a.limit)
+        if not prompts:
+            raise ValueError(f"{a.prompts} has no prompt rows (JSONL, one object per line with `messages`, `prompt` "
+                             f"or `input_ids`)")
+    except (OSError, ValueError) as e:
+        errs.append(f"--prompts: {e}")
+    if errs:
+        sys.exit("error: " + "\n       ".join(errs))
 
     if a.shard:                                                    # a worker: results of its prompts to --out
         k, n = (int(x) for x in a.shard.split("/"))

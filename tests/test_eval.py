@@ -281,7 +281,7 @@ def test_cli_failing_worker_fails_the_run(cli_folder, tiny_qwen3_dir):
     assert "worker 1/2 failed" in str(e.value) and "index out of range" in str(e.value), e.value
     with pytest.raises(SystemExit) as e:
         main(cli(tiny_qwen3_dir, cli_folder, "--workers", "2", drafters=("d0", "nope")))
-    assert "failed" in str(e.value) and str(cli_folder / "nope") in str(e.value), e.value
+    assert "has no config.json" in str(e.value) and str(cli_folder / "nope") in str(e.value), e.value  # up front
 
 
 def test_teacher_forced_streak_equals_the_decode_path(target, build_drafter, tiny_qwen3_dir):
@@ -328,3 +328,34 @@ def test_train_streak_tool(tmp_path, capsys):
     train_streak(["--target", str(tgt), "--drafter", str(tmp_path / "drafter"), "--data", str(data), "--rows", "6"])
     m = re.search(r"teacher-forced streak on (\d+) rows .*: ([0-9.]+)$", capsys.readouterr().out.strip())
     assert m and int(m.group(1)) == 6 and 0.0 <= float(m.group(2)) <= B - 1, m
+
+
+def test_cli_checks_its_input_before_loading_the_target(tmp_path, monkeypatch, build_drafter, tiny_qwen3_dir):
+    loaded = []
+    monkeypatch.setattr(eval_dflash, "run_here", lambda a, prompts, *_, **__: loaded.append(a) or [])
+    ckpt = tmp_path / "step_000010"
+    export_drafter(build_drafter(tiny_qwen3_dir, num_layers=1, block_size=B), ckpt / "drafter")
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("\n")
+
+    def cli(*extra, drafter=ckpt / "drafter", prompts=good):
+        argv = ["--target", str(tiny_qwen3_dir), "--drafter", str(drafter), "--prompts", str(prompts), *extra]
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert not loaded, "the target was loaded before the bad input was refused"
+        return str(e.value)
+
+    assert "empty.jsonl has no prompt rows" in cli(prompts=tmp_path / "empty.jsonl")
+    assert "nope.jsonl" in cli(prompts=tmp_path / "nope.jsonl")
+    assert "--max-new-tokens 0: must be at least 1" in cli("--max-new-tokens", "0")
+    assert "--max-new-tokens -4: must be at least 1" in cli("--max-new-tokens", "-4")
+    assert re.search(r"--drafter \S+ has no config.json: .*checkpoints/step_NNNNNN/drafter", cli(drafter=tmp_path))
+    cfg = json.loads((ckpt / "drafter" / "config.json").read_text())
+    wrong = tmp_path / "wrong"
+    export_drafter(build_drafter(tiny_qwen3_dir, num_layers=1, block_size=B), wrong)
+    (wrong / "config.json").write_text(json.dumps(cfg | {"dflash_config": cfg["dflash_config"] |
+                                                         {"mask_token_id": 500}}))
+    assert "mask_token_id 500 is not a row of the target's embedding (vocab_size 128)" in cli(drafter=wrong)
+    main(["--target", str(tiny_qwen3_dir), "--drafter", str(ckpt), "--prompts", str(good)])  # a checkpoint folder
+    assert loaded[0].drafter == [ckpt / "drafter"]
