@@ -106,7 +106,8 @@ export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
 export PYTHONUNBUFFERED=1
 LOG="$OUT_DIR/train.log"
 if [ "$NPROC" -gt 1 ]; then
-    MASTER_PORT=${MASTER_PORT:-$("$PY" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")}
+    FREE_PORT="import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+    MASTER_PORT=${MASTER_PORT:-$("$PY" -c "$FREE_PORT")}
     RUN=("$VENV/bin/torchrun" --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" train_dflash.py)
 else
     RUN=("$PY" train_dflash.py)
