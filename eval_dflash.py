@@ -152,6 +152,14 @@ def gather_cache(cache, keep):
         layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
 
 
+def device_name(device) -> str:
+    """What a speed was measured on: the GPU's name, or the CPU with its torch threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -213,6 +221,39 @@ class DrafterProposer:
 
 
 @torch.no_grad()
+def drafts_at_every_anchor(proposer, feats, ids, prompt_len, block_size, top_k=0, rows_per_chunk=4096):
+    """The drafter's proposals with each completion token but the last as the anchor, in one training-style forward
+    (Drafter.forward, dense mask): feats [L, K*H] the target's features of ids [L] (prompt + completion), anchors at
+    positions P..L-2 (N = L-1-P) -> drafts [N, B-1] (argmax of slots 1..B-1), and with top_k also (log-probs, ids)
+    [N, B-1, k] of each slot's top_k (what build_tree reads). Anchor P+i sees the features of positions < P+i and
+    the block [ids[P+i], MASK...] at positions P+i..: what the decode loop's drafter sees once ids[:P+i+1] are
+    committed. The lm_head runs rows_per_chunk rows at a time (the [N*(B-1), V] logits would not fit)."""
+    d, P, L, B = proposer.drafter, prompt_len, len(ids), block_size
+    dev = ids.device
+    anchors = torch.arange(P, L - 1, device=dev)                                          # [N]
+    k = torch.arange(B, device=dev)
+    block = torch.where(k[None, :] == 0, ids[anchors][:, None], proposer.mask_id)         # [N, B]
+    zeros = torch.zeros(L, dtype=torch.long, device=dev)
+    attn = d.attn_spec(anchors, zeros[: len(anchors)], zeros)
+    h = d(feats.to(proposer.dtype), torch.arange(L, device=dev), proposer.embed(block.flatten()).to(proposer.dtype),
+          (anchors[:, None] + k[None, :]).flatten(), attn)                                # [N*B, H]
+    h = h.view(len(anchors), B, -1)[:, 1:].flatten(0, 1).to(proposer.lm_head.weight.dtype)   # [N*(B-1), H]
+    drafts, top_lp, top_id = [], [], []
+    for s in range(0, h.shape[0], rows_per_chunk):
+        logits = proposer.lm_head(h[s:s + rows_per_chunk])                                # [c, V]
+        drafts.append(logits.argmax(-1))
+        if top_k:
+            lp, ix = logits.float().log_softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)
+            top_lp.append(lp)
+            top_id.append(ix)
+    shape = (len(anchors), B - 1)
+    drafts = torch.cat(drafts).view(shape) if drafts else torch.empty(shape, dtype=torch.long, device=dev)
+    if not top_k:
+        return drafts
+    return drafts, torch.cat(top_lp).view(*shape, -1), torch.cat(top_id).view(*shape, -1)
+
+
+@torch.no_grad()
 def teacher_forced_streak(model, proposer, prompt_ids, completion, block_size) -> float | None:
     """The training-time streak on the served tokens: the drafter's training forward (Drafter.forward, dense mask)
     reads the target's features of prompt + greedy `completion`, every generated position is an anchor, and the
@@ -221,23 +262,19 @@ def teacher_forced_streak(model, proposer, prompt_ids, completion, block_size) -
     the two agree closely, not exactly). tau - 1 far below it means the served path differs from the trained one;
     this far below the training log's streak means the drafter does not generalise to these prompts."""
     from transformers import DynamicCache
-    d = proposer.drafter
-    P, L, B = len(prompt_ids), len(prompt_ids) + len(completion), block_size
     if len(completion) < 2:
         return None
-    dev = model.device
-    ids = torch.tensor(list(prompt_ids) + list(completion), device=dev)                     # [L]
-    pos = torch.arange(L, device=dev)
-    _, feats = target_forward(model, ids, pos, DynamicCache(), proposer.layer_ids)         # [L, K*H]
-    anchors = torch.arange(P, L - 1, device=dev)                                          # [N]
-    k = torch.arange(B, device=dev)
-    idx = anchors[:, None] + k[None, :]                                                   # [N, B]
-    block = torch.where(k[None, :] == 0, ids[anchors][:, None], proposer.mask_id)         # [N, B]
-    zeros = torch.zeros(L, dtype=torch.long, device=dev)
-    attn = d.attn_spec(anchors, zeros[: len(anchors)], zeros)
-    h = d(feats.to(proposer.dtype), pos, proposer.embed(block.flatten()).to(proposer.dtype), idx.flatten(), attn)
-    pred = proposer.lm_head(h.view(len(anchors), B, -1)[:, 1:].to(proposer.lm_head.weight.dtype)).argmax(-1)
-    ok = (pred == ids[idx[:, 1:].clamp(max=L - 1)]) & (idx[:, 1:] < L)                   # [N, B-1]
+    ids = torch.tensor(list(prompt_ids) + list(completion), device=model.device)            # [L]
+    _, feats = target_forward(model, ids, torch.arange(len(ids), device=model.device), DynamicCache(),
+                              proposer.layer_ids)                                          # [L, K*H]
+    return _streak(drafts_at_every_anchor(proposer, feats, ids, len(prompt_ids), block_size), ids, len(prompt_ids))
+
+
+def _streak(drafts, ids, prompt_len) -> float:
+    """Mean correct prefix of drafts [N, B-1] (anchors P..L-2 of ids [L]), cut at the end of ids."""
+    L, B = len(ids), drafts.shape[1] + 1
+    idx = torch.arange(prompt_len, L - 1, device=ids.device)[:, None] + torch.arange(1, B, device=ids.device)
+    ok = (drafts == ids[idx.clamp(max=L - 1)]) & (idx < L)                                 # [N, B-1]
     return float(torch.cumprod(ok.int(), dim=1).sum(1).float().mean())
 
 
@@ -262,9 +299,12 @@ def build_tree(logp, budget, top_k):
     committed token); returns tokens, parents, depths of nodes 1..N (N <= budget), parents before children. A node's
     score is the sum of log-probs along its path; pushing only a node's best child and its next sibling keeps the
     frontier exact because both score no higher than the node itself."""
-    D = logp.shape[0]
-    top_lp, top_id = (x.tolist() for x in logp.topk(min(top_k, logp.shape[1]), dim=-1))   # [D, k]
-    k = len(top_id[0])
+    return tree_from_topk(*(x.tolist() for x in logp.topk(min(top_k, logp.shape[1]), dim=-1)), budget)
+
+
+def tree_from_topk(top_lp, top_id, budget):
+    """build_tree from each slot's top-k log-probs and ids ([D][k] lists, best first)."""
+    D, k = len(top_id), len(top_id[0])
     tokens, parents, depths = [], [], []
     # (-score, tiebreak, parent node, parent score, depth, rank among the parent's candidates)
     heap = [(-top_lp[0][0], 0, 0, 0.0, 1, 0)]
@@ -335,6 +375,116 @@ def speculative_decode(model, prompt_ids, proposer, block_size, max_new_tokens, 
 
 
 # ---------------------------------------------------------------------------
+# The walk: the decode loop's tau without decoding. Greedy speculative decoding is lossless, so it outputs the
+# greedy continuation y; its proposal at each step depends only on the target's features of the committed tokens
+# and the anchor (the last committed token). So one teacher-forced target forward over prompt + y and one drafter
+# forward with every position of y as an anchor give every proposal it could make, and walking them as the loop
+# would (accept the longest prefix equal to y, commit it plus the bonus token, jump) gives its steps exactly. What
+# it assumes is the losslessness the decode method checks: exact in fp32; in bf16 the loop's block forwards round
+# unlike one full forward and a near-tie can flip.
+
+@torch.no_grad()
+def greedy_references(model, prompts_ids, max_new_tokens, eos, batch_size=64) -> list[list[int]]:
+    """Plain greedy continuations of many prompts (what lossless speculative decoding outputs), each up to its
+    first eos: HF generate, batched with left padding, prompts of similar length together. The one place to swap
+    in a faster engine."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos) or None,
+                           pad_token_id=min(eos) if eos else 0)   # outputs are cut at the first eos: pads unread
+    order = sorted(range(len(prompts_ids)), key=lambda i: len(prompts_ids[i]))
+    out = [None] * len(prompts_ids)
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        S = max(len(prompts_ids[i]) for i in idx)
+        ids = torch.zeros(len(idx), S, dtype=torch.long)
+        mask = torch.zeros(len(idx), S, dtype=torch.long)
+        for r, i in enumerate(idx):
+            n = len(prompts_ids[i])
+            ids[r, S - n:], mask[r, S - n:] = torch.tensor(prompts_ids[i]), 1
+        new = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=gen)[:, S:].tolist()                       # [b, <= max_new_tokens]
+        for r, i in enumerate(idx):
+            cut = next((j + 1 for j, t in enumerate(new[r]) if t in eos), len(new[r]))
+            out[i] = new[r][:cut]
+    return out
+
+
+def walk_steps(drafts, completion, block_size) -> list[int]:
+    """Tokens committed per verify step of speculative_decode (block verification) when it outputs `completion`
+    (the greedy continuation: cut at its eos or at max_new_tokens): drafts [N, B-1] the proposals with
+    completion[i] as the anchor (drafts_at_every_anchor). With n tokens committed the anchor is completion[n-1];
+    the loop accepts the longest prefix of its drafts equal to what follows and commits that plus the target's
+    bonus token, at most the m - n tokens left (the loop's eos / max_new_tokens cut). Drafts past completion[m-1]
+    cannot change a step: the cut ends it there."""
+    m, n, steps = len(completion), 1, []
+    while n < m:
+        row, a = drafts[n - 1], 0
+        while a < min(block_size - 1, m - n - 1) and row[a] == completion[n + a]:
+            a += 1
+        steps.append(min(a + 1, m - n))
+        n += steps[-1]
+    return steps
+
+
+def walk_tree_steps(top_lp, top_id, completion, budget) -> list[int]:
+    """walk_steps for DDTree verification: at each anchor the tree speculative_decode would build from the same
+    top-k (tree_from_topk), the accepted path is the longest path from the root spelling what follows."""
+    m, n, steps = len(completion), 1, []
+    while n < m:
+        tokens, parents, _ = tree_from_topk(top_lp[n - 1], top_id[n - 1], budget)
+        child = {(p, t): i for i, (p, t) in reversed(list(enumerate(zip(parents, tokens), 1)))}   # first wins
+        node, a = 0, 0
+        while a < m - n - 1 and (node, completion[n + a]) in child:
+            node, a = child[(node, completion[n + a])], a + 1
+        steps.append(min(a + 1, m - n))
+        n += steps[-1]
+    return steps
+
+
+@torch.no_grad()
+def walk_evaluate(model, proposers, block_sizes, items, max_new_tokens, eos, tree_budget, tree_top_k, reference,
+                  log) -> list[list[dict]]:
+    """Per drafter, the per-prompt results of the walk over items [(row, prompt ids)]: the greedy references in
+    batches, then per prompt one target forward shared by every drafter and one drafter forward each."""
+    from transformers import DynamicCache
+    todo = [ids for _, ids in items if ("walk", tuple(ids), max_new_tokens) not in reference]
+    for ids, y in zip(todo, greedy_references(model, todo, max_new_tokens, eos)):
+        reference[("walk", tuple(ids), max_new_tokens)] = y
+    layers = sorted({l for p in proposers for l in p.layer_ids})
+    results = [[] for _ in proposers]
+    for n, (row, ids) in enumerate(items, 1):
+        y = reference[("walk", tuple(ids), max_new_tokens)]
+        seq = torch.tensor(ids + y, device=model.device)                                  # [L]
+        logits, feats = target_forward(model, seq, torch.arange(len(seq), device=model.device), DynamicCache(),
+                                       layers)                                             # [L, V], [L, |layers|*H]
+        # the reference must be the greedy continuation of this very forward, or the walk is of another path
+        nxt = logits[len(ids) - 1:-1].argmax(-1).tolist()                                  # [len(y)]
+        bad = next((i for i, (a, b) in enumerate(zip(nxt, y)) if a != b), None)
+        H = feats.shape[1] // len(layers)
+        for j, (proposer, bs) in enumerate(zip(proposers, block_sizes)):
+            cols = torch.cat([torch.arange(layers.index(l) * H, (layers.index(l) + 1) * H) for l in proposer.layer_ids])
+            r = {"id": row["id"], "category": row.get("category", "all"), "prompt_tokens": len(ids),
+                 "new_tokens": len(y), "tokens": y, "reference_mismatch": bad, "tf_streak": None}
+            if len(y) < 2:                                        # done after the prefill token: no verify step
+                r |= {"steps": [], "tau": None} | ({"tree_steps": [], "tree_tau": None} if tree_budget else {})
+            else:
+                out = drafts_at_every_anchor(proposer, feats[:, cols.to(feats.device)], seq, len(ids), bs,
+                                             top_k=tree_top_k if tree_budget else 0)
+                drafts = out[0] if tree_budget else out
+                r["steps"] = walk_steps(drafts.tolist(), y, bs)
+                r["tau"] = _mean(r["steps"])
+                r["tf_streak"] = _streak(drafts, seq, len(ids))
+                if tree_budget:
+                    r["tree_steps"] = walk_tree_steps(out[1].tolist(), out[2].tolist(), y, tree_budget)
+                    r["tree_tau"] = _mean(r["tree_steps"])
+            results[j].append(r)
+        log(f"[{n}/{len(items)}] {row['id']} prompt={len(ids)} new={len(y)} "
+            + " ".join(f"tau={_fmt(res[-1]['tau'])}" for res in results)
+            + ("" if bad is None else f" REFERENCE differs from the full forward's argmax at {bad}"))
+    return results
+
+
+# ---------------------------------------------------------------------------
 # Evaluation over a prompt set
 
 def _first_mismatch(got, want):
@@ -375,7 +525,7 @@ def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new
 
 def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
                       tree_budget=0, device=None, *, tree_top_k=TREE_TOP_K, enable_thinking=None, on_too_long="error",
-                      reference=None, shard=(0, 1), log=print) -> list[dict]:
+                      reference=None, shard=(0, 1), log=print, method="decode") -> list[dict]:
     """One result per drafter, over the same prompts, with one warm-up and one greedy reference per prompt for all.
 
     target_model: an HF causal LM (attn_implementation sdpa or eager for trees) or a model.target.Target;
@@ -384,7 +534,10 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
     reference: a dict kept by the caller across calls (the trainer) to reuse the greedy reference decodes and their
     timing: they depend on the target and prompts only, not on the drafter;
     shard=(k, n): decode only the kept prompts k, k+n, k+2n, ... (a --workers process; merge_shards joins them);
-    log: called with one line per prompt (None: quiet)."""
+    log: called with one line per prompt (None: quiet);
+    method: "decode" (the decode loop: tau, losslessness, tokens/s) or "walk" (walk_evaluate: the same tau and
+    steps from batched greedy references and one forward per prompt, without decoding: no speed, no
+    losslessness check; Drafters only)."""
     model = target_model.model if isinstance(target_model, Target) else target_model
     model.eval()
     device = torch.device(device) if device is not None else model.device
@@ -392,6 +545,9 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         device = torch.device("cuda", torch.cuda.current_device())
     assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
     proposers = [d if hasattr(d, "propose") else DrafterProposer(d, model) for d in drafters]
+    assert method in ("decode", "walk"), f"method {method!r} is not decode or walk"
+    if method == "walk" and not all(isinstance(p, DrafterProposer) for p in proposers):
+        raise ValueError("the walk runs a Drafter's training forward: it needs Drafters, not other proposers")
     block_sizes = [block_size or p.drafter.config.block_size for p in proposers]
     if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
@@ -419,6 +575,20 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         items.append((row, ids))
     assert items, "no prompts to evaluate"
     items = items[k::n_shards]
+
+    def config(proposer, bs):
+        return {"method": method, "block_size": bs, "max_new_tokens": max_new_tokens, "tree_budget": tree_budget,
+                "tree_top_k": tree_top_k, "device": str(device), "device_name": device_name(device),
+                "dtype": str(model.dtype).replace("torch.", ""),
+                "drafter_dtype": str(getattr(proposer, "dtype", model.dtype)).replace("torch.", ""),
+                "enable_thinking": enable_thinking, "eos_ids": sorted(eos)}
+    if method == "walk":
+        t0 = time.perf_counter()
+        per = walk_evaluate(model, proposers, block_sizes, items, max_new_tokens, eos, tree_budget, tree_top_k,
+                            reference, log)
+        secs = time.perf_counter() - t0
+        return [summarize(pp, skipped, config(p, bs) | {"walk_seconds": secs})
+                for pp, p, bs in zip(per, proposers, block_sizes)]
 
     modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
     if items:                                                      # untimed warm-up of every code path
@@ -464,42 +634,48 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
             bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
             log(f"{who}[{n}/{len(items)}] {r['id']} prompt={len(ids)} new={r['new_tokens']} steps={len(r['steps'])} "
                 f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
-        config = {"block_size": bs, "max_new_tokens": max_new_tokens, "tree_budget": tree_budget,
-                  "tree_top_k": tree_top_k, "device": str(device), "dtype": str(model.dtype).replace("torch.", ""),
-                  "enable_thinking": enable_thinking, "eos_ids": sorted(eos)}
-        results.append(summarize(per_prompt, skipped, config))
+        results.append(summarize(per_prompt, skipped, config(proposer, bs)))
     return results
 
 
 def summarize(per_prompt, skipped, config) -> dict:
     """The aggregates of per-prompt results given in prompt order. The one code path for a single process and for
-    the merged shards of --workers, so both give the same numbers. Speed: generated tokens / seconds summed over
-    prompts, per mode."""
-    modes = ["greedy", "dflash"] + (["ddtree"] if config["tree_budget"] else [])
-    seconds = {m: sum(r["seconds"][m] for r in per_prompt) for m in modes}
-    tok_s = {m: sum(r["gen_tokens"][m] for r in per_prompt) / seconds[m] if seconds[m] else float("nan")
-             for m in modes}
+    the merged shards of --workers, so both give the same numbers. Speed (decode only): generated tokens / seconds
+    summed over prompts, per mode, with the device and dtypes it was measured on."""
+    tree = bool(config["tree_budget"])
     result = {
         "tau": _mean([r["tau"] for r in per_prompt]),
-        "lossless": all(r["lossless"] for r in per_prompt),
         "prompts": len(per_prompt),
         "tau_by_category": _by_category(per_prompt, "tau"),
         "tf_streak": _mean([r["tf_streak"] for r in per_prompt if r.get("tf_streak") is not None]),
         "accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["steps"]).items())),
-        "tokens_per_s": tok_s,
-        "speedup": tok_s["dflash"] / tok_s["greedy"],
-        "mismatches": [{"id": r["id"], "dflash": r["mismatch"], "ddtree": r.get("tree_mismatch")}
-                       for r in per_prompt if not r["lossless"]],
-        "skipped": skipped,
-        "config": config,
-        "per_prompt": per_prompt,
     }
-    if config["tree_budget"]:
+    if config.get("method", "decode") == "walk":
+        # lossless is what the walk assumes, not what it checks; what it can check is that each reference is the
+        # greedy continuation of its own full forward
+        result |= {"lossless": None,
+                   "reference_mismatches": [{"id": r["id"], "position": r["reference_mismatch"]}
+                                            for r in per_prompt if r["reference_mismatch"] is not None]}
+    else:
+        modes = ["greedy", "dflash"] + (["ddtree"] if tree else [])
+        seconds = {m: sum(r["seconds"][m] for r in per_prompt) for m in modes}
+        tok_s = {m: sum(r["gen_tokens"][m] for r in per_prompt) / seconds[m] if seconds[m] else float("nan")
+                 for m in modes}
+        result |= {
+            "lossless": all(r["lossless"] for r in per_prompt),
+            "tokens_per_s": tok_s,
+            "speedup": tok_s["dflash"] / tok_s["greedy"],
+            "measured_on": {k: config[k] for k in ("device", "device_name", "dtype", "drafter_dtype")},
+            "mismatches": [{"id": r["id"], "dflash": r["mismatch"], "ddtree": r.get("tree_mismatch")}
+                           for r in per_prompt if not r["lossless"]],
+        }
+        if tree:
+            result["tree_speedup"] = tok_s["ddtree"] / tok_s["greedy"]
+    if tree:
         result |= {"tree_tau": _mean([r["tree_tau"] for r in per_prompt]),
                    "tree_tau_by_category": _by_category(per_prompt, "tree_tau"),
-                   "tree_accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["tree_steps"]).items())),
-                   "tree_speedup": tok_s["ddtree"] / tok_s["greedy"]}
-    return result
+                   "tree_accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["tree_steps"]).items()))}
+    return result | {"skipped": skipped, "config": config, "per_prompt": per_prompt}
 
 
 def merge_shards(shards) -> list[dict]:
@@ -517,7 +693,7 @@ def merge_shards(shards) -> list[dict]:
 
 
 def report_lines(res) -> list[str]:
-    """Human summary; the last line is `tau=<x.xx> lossless=<yes|no> prompts=<n>`."""
+    """Human summary; the last line is `tau=<x.xx> lossless=<yes|no|unchecked> prompts=<n>` (unchecked: the walk)."""
     tree = bool(res["config"]["tree_budget"])
     lines = [f"{'category':<24} {'tau':>6}" + (f" {'tree_tau':>8}" if tree else "")]
     for cat, tau in res["tau_by_category"].items():
@@ -528,17 +704,29 @@ def report_lines(res) -> list[str]:
     if res.get("tf_streak") is not None:
         lines.append(f"teacher-forced streak on the same tokens {_fmt(res['tf_streak'])}: decoding should commit "
                      f"about 1 + that = {_fmt(1 + res['tf_streak'])} per step (tau {_fmt(res['tau'])})")
-    s, workers = res["tokens_per_s"], res["config"].get("workers", 1)
-    shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
-        if workers > 1 else ""
-    lines.append(f"tok/s greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
-                 + (f" | ddtree {s['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x, tree_tau "
-                    f"{_fmt(res['tree_tau'])}, budget {res['config']['tree_budget']})" if tree else "") + shared)
-    for m in res["mismatches"]:
-        lines.append(f"NOT LOSSLESS {m['id']}: dflash {m['dflash']} ddtree {m['ddtree']}")
+    c = res["config"]
+    if res["lossless"] is None:                                   # the walk
+        bad = res["reference_mismatches"]
+        lines.append(f"walk: tau of the decode loop from {res['prompts']} greedy references and one forward each "
+                     f"({c['walk_seconds']:.1f}s on {c['device_name']}, {c['dtype']} target); no decoding, so no "
+                     f"speed and no losslessness check (--method decode measures both)")
+        for m in bad:
+            lines.append(f"REFERENCE {m['id']}: not the full forward's greedy continuation from token {m['position']} "
+                         f"(a near-tie in {c['dtype']}?): its tau is of another path")
+    else:
+        s, workers = res["tokens_per_s"], c.get("workers", 1)
+        shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
+            if workers > 1 else ""
+        lines.append(f"tok/s on {c['device_name']} ({c['device']}, target {c['dtype']}, drafter {c['drafter_dtype']}): "
+                     f"greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
+                     + (f" | ddtree {s['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x, tree_tau "
+                        f"{_fmt(res['tree_tau'])}, budget {c['tree_budget']})" if tree else "") + shared)
+        for m in res["mismatches"]:
+            lines.append(f"NOT LOSSLESS {m['id']}: dflash {m['dflash']} ddtree {m['ddtree']}")
     if res["skipped"]:
         lines.append(f"skipped (too long): {len(res['skipped'])}")
-    lines.append(f"tau={_fmt(res['tau'])} lossless={'yes' if res['lossless'] else 'no'} prompts={res['prompts']}")
+    lossless = {None: "unchecked", True: "yes", False: "no"}[res["lossless"]]
+    lines.append(f"tau={_fmt(res['tau'])} lossless={lossless} prompts={res['prompts']}")
     return lines
 
 
@@ -568,7 +756,7 @@ def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
         return evaluate_drafters(model, tokenizer, drafters, prompts, a.block_size, a.max_new_tokens, a.tree_budget,
                                  device, tree_top_k=a.tree_top_k, shard=shard, log=log,
                                  enable_thinking={"auto": None, "on": True, "off": False}[a.thinking],
-                                 on_too_long="skip" if a.skip_long else "error")
+                                 on_too_long="skip" if a.skip_long else "error", method=a.method)
     except PromptTooLong as e:
         sys.exit(f"error: {e}")
 
@@ -659,6 +847,9 @@ def main(argv=None):
     p.add_argument("--prompts", required=True, help="JSONL rows with messages | prompt | input_ids, optional category")
     p.add_argument("--block-size", type=int, default=None, help="default: each drafter's block_size")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--method", choices=["decode", "walk"], default="decode",
+                   help="decode: the decode loop (tau, losslessness, tokens/s); walk: the same tau and steps from "
+                        "batched greedy references and one forward per prompt (fast; no speed, no losslessness check)")
     p.add_argument("--tree-budget", type=int, default=0, help="DDTree node budget; 0 = block verification only")
     p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")

@@ -27,6 +27,8 @@ from pathlib import Path
 TARGET = ""                 # local HF folder of the frozen target; "" = SmolLM2-135M-Instruct (python -m tools.smollm2)
 DATA = ""                   # prepared dataset folder (python -m data.prepare); "" = data/default/smollm2
 OUT_DIR = "runs/dflash"     # checkpoints/, metrics.jsonl, run.json (launch.sh adds train.log)
+INIT_FROM = ""              # exported drafter folder (serving format, e.g. runs/x/checkpoints/step_N/drafter) to start
+#                             from; "" = random init. A fresh run (step 0, new optimizer); a checkpoint to resume wins
 NUM_DRAFT_LAYERS = 5        # L, drafter decoder layers
 TARGET_LAYER_IDS = ""       # comma list of target layers to tap, e.g. "1,9,17,25,33"; "" = spread NUM_TAPS evenly
 NUM_TAPS = 0                # K when TARGET_LAYER_IDS is "": 0 = NUM_DRAFT_LAYERS
@@ -39,6 +41,8 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 MAX_ANCHORS = 512           # blocks per micro-batch (anchors sampled without replacement, fresh every step)
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # loss weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
+LOSS_WEIGHTING = "exp"      # exp (exp(-(k-1)/GAMMA), the paper's) | dpace (D-PACE, vLLM speculators' default)
+DPACE_ALPHA = 0.5           # D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
 NOISE = 0.0                 # uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
 CE_CHUNK = 4096             # rows of [rows, vocab] logits alive at once in the loss (0 = unchunked, tests only)
 
@@ -146,6 +150,10 @@ def check_config(world: int) -> None:
             errs.append(f"{name}={globals()[name]} must be >= {lo}")
     if GAMMA <= 0:
         errs.append(f"GAMMA={GAMMA} must be > 0")
+    if LOSS_WEIGHTING not in ("exp", "dpace"):
+        errs.append(f"LOSS_WEIGHTING={LOSS_WEIGHTING!r}: allowed are exp, dpace")
+    if not 0 <= DPACE_ALPHA <= 1:
+        errs.append(f"DPACE_ALPHA={DPACE_ALPHA} must be in [0, 1]")
     if not 0 <= WARMUP_RATIO < 1:
         errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be in [0, 1)")
     if LR <= 0 or NOISE < 0 or MAX_STEPS < 0 or CE_CHUNK < 0:
@@ -156,6 +164,9 @@ def check_config(world: int) -> None:
                     f"auto|bfloat16|float32, auto|flex|sdpa")
     if RESUME not in ("auto", "scratch") and not Path(RESUME).exists():
         errs.append(f"RESUME={RESUME!r} is neither auto, scratch nor an existing checkpoint folder")
+    if INIT_FROM and not all((Path(INIT_FROM) / f).is_file() for f in ("config.json", "model.safetensors")):
+        errs.append(f"INIT_FROM={INIT_FROM} is not an exported drafter folder (config.json + model.safetensors, "
+                    f"e.g. runs/x/checkpoints/step_N/drafter)")
     tgt = Path(TARGET).expanduser()
     if not (tgt / "config.json").exists():
         errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
@@ -183,6 +194,67 @@ def check_config(world: int) -> None:
                     f"{TARGET} --out DIR INPUT.jsonl`")
     if errs:
         sys.exit("error: bad configuration:\n  - " + "\n  - ".join(errs))
+
+
+# --- warm start (INIT_FROM) -----------------------------------------------------------------------------------------
+
+# The drafter fields that make an export fit this run, each with the setting that decides it here ("TARGET": it
+# comes from the target's config). Exports differing in any of these are refused before any model loads.
+INIT_FROM_FIELDS = [
+    ("num_hidden_layers", "NUM_DRAFT_LAYERS"), ("block_size", "BLOCK_SIZE"), ("target_layer_ids", "TARGET_LAYER_IDS"),
+    ("mask_token_id", "MASK_TOKEN_ID"), ("layer_types", "SLIDING_WINDOW_LAYERS"), ("sliding_window", "SLIDING_WINDOW"),
+    ("hidden_size", "TARGET"), ("num_attention_heads", "TARGET"), ("num_key_value_heads", "TARGET"),
+    ("head_dim", "TARGET"), ("intermediate_size", "TARGET"), ("vocab_size", "TARGET"), ("num_target_layers", "TARGET"),
+    ("attention_bias", "TARGET"),
+]
+
+
+def check_init_from(dcfg) -> list[str]:
+    """INIT_FROM's config.json against the drafter this run builds (dcfg), before any model loads. Exits naming
+    every setting that differs, both values and the flag that fits the export; returns notes on fields that are
+    not shapes (RoPE, norm eps, context length), which the run takes from its target."""
+    from model.export import config_from_serving
+    src = config_from_serving(json.loads((Path(INIT_FROM) / "config.json").read_text()))
+
+    def as_setting(field, cfg):   # the field as the value of the setting that decides it
+        v = getattr(cfg, field)
+        return {"target_layer_ids": lambda: ",".join(map(str, v)),
+                "layer_types": lambda: v.count("sliding_attention"), "sliding_window": lambda: v or 0}.get(field,
+                                                                                                    lambda: v)()
+    errs, of_target = [], []
+    for field, setting in INIT_FROM_FIELDS:
+        ours, theirs = as_setting(field, dcfg), as_setting(field, src)
+        if ours == theirs:
+            continue
+        if setting == "TARGET":
+            of_target.append((field, ours, theirs))
+        else:
+            errs.append(f"{setting}: this run has {ours} ({field}), the drafter in INIT_FROM {theirs}: pass "
+                        f"--{setting}={theirs}")
+    if of_target:
+        errs.append(f"the target (TARGET={TARGET}) has " + ", ".join(f"{f}={o}" for f, o, _ in of_target)
+                    + "; the drafter in INIT_FROM was made for " + ", ".join(f"{f}={t}" for f, _, t in of_target)
+                    + ": it was trained for another target")
+    if errs:
+        sys.exit(f"error: INIT_FROM={INIT_FROM} does not fit this run's drafter:\n  - " + "\n  - ".join(errs))
+    return [f"NOTE: INIT_FROM has {f}={getattr(src, f)}, this run uses its target's {getattr(dcfg, f)}"
+            for f in ("rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings")
+            if getattr(src, f) != getattr(dcfg, f)]
+
+
+def load_init_from(drafter) -> str:
+    """The INIT_FROM export's weights into the run's drafter, whose fp32 master weights take them in whatever dtype
+    the export was written (fp32 exactly; bf16 widened exactly). Returns that dtype."""
+    from safetensors.torch import load_file
+    state = load_file(str(Path(INIT_FROM) / "model.safetensors"), device=str(next(drafter.parameters()).device))
+    missing = drafter.state_dict().keys() - state.keys()
+    extra = state.keys() - drafter.state_dict().keys()
+    if missing or extra:
+        sys.exit(f"error: INIT_FROM={INIT_FROM}: model.safetensors does not hold this drafter's parameters (missing "
+                 f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}); export it with model.export.export_drafter")
+    dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
+    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return "/".join(dtypes)
 
 
 # --- distributed setup --------------------------------------------------------------------------------------------
@@ -609,6 +681,23 @@ def make_prepare(cfg, device, flex):
     return prepare
 
 
+def loss_reweight(item, block_size):
+    """LOSS_WEIGHTING=dpace: D-PACE's weights, which weighted_ce makes from the drafter's own predictions (detached)
+    after its chunks; exp: None, the decay make_blocks wrote into item.weights is the weighting. Either way the
+    gradients hold sum(w * CE) and the step divides them by the global sum of the same w."""
+    from model.objective import dpace_reweight
+    return dpace_reweight(item.weights, item.rows, block_size, DPACE_ALPHA) if LOSS_WEIGHTING == "dpace" else None
+
+
+def decay_weighted(parts, item):
+    """(sum w * CE, sum w) under the exp decay of item.weights whatever LOSS_WEIGHTING is: the status line's loss,
+    so runs with either weighting read on one scale."""
+    if LOSS_WEIGHTING == "exp":
+        return parts.loss_sum.detach(), parts.weight_sum
+    w = item.weights.index_select(0, item.rows)                                              # [R]
+    return (w * parts.ce).sum(), w.sum()
+
+
 def load_frozen_io(path, device, dtype):
     """The target's embedding and lm_head weights only (drafter ranks never load the whole target)."""
     import torch
@@ -748,6 +837,7 @@ def main(argv):
         except AssertionError as e:
             sys.exit(f"error: drafter config: {e}")
         config.update(MASK_TOKEN_ID=mask_id, TARGET_LAYER_IDS=",".join(map(str, dcfg.target_layer_ids)))
+        init_notes = check_init_from(dcfg) if INIT_FROM else []   # before any model (or the data) loads
 
         with Phase(d, "load data", watchdog):
             data = Data(DATA, vocab_rows, BLOCK_SIZE)
@@ -838,6 +928,12 @@ def main(argv):
                 f"taps={dcfg.target_layer_ids} B={dcfg.block_size} mask_token_id={mask_id}")
             if meta:
                 log(f"RESUMING from step {step} of {resume_path} (micro-batch {start_g}, epoch~{start_g / data.plan.num_batches:.2f})")
+                if INIT_FROM:
+                    log(f"NOTE: INIT_FROM={INIT_FROM} is ignored: a checkpoint to resume wins (RESUME={RESUME}); "
+                        f"use another OUT_DIR to start over from INIT_FROM")
+            elif INIT_FROM:
+                for note in init_notes:
+                    log(note)
         if DRY_RUN:
             if d.is_master:
                 log("DRY_RUN: config and data are fine; exiting before loading any model")
@@ -909,6 +1005,11 @@ def main(argv):
                 torch.set_rng_state(state["rng"]["torch"].cpu())
                 random.setstate(state["rng"]["python"])
                 np.random.set_state(state["rng"]["numpy"])
+            elif INIT_FROM:
+                dtype = load_init_from(drafter)
+                if d.is_master:
+                    log(f"INIT_FROM: drafter weights from {INIT_FROM} ({dtype} export, into float32 master weights); "
+                        f"a fresh run: step 0, new optimizer, the LR schedule from its start")
             model = drafter
             if COMPILE_DRAFTER != "off":
                 from model.drafter import compile_drafter
@@ -1020,8 +1121,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         watchdog.on_abort.append(metrics.flush)
     autocast = torch.autocast("cuda", dtype=d.dtype) if d.device.type == "cuda" and d.dtype != torch.float32 \
         else torch.autocast("cpu", enabled=False)
-    sums = torch.zeros(6, device=d.device, dtype=torch.float64)  # since the last status line: loss, weight,
-    #                                                              acc_num, acc_den, streak_num, streak_den
+    sums = torch.zeros(8, device=d.device, dtype=torch.float64)  # since the last status line: exp-decay loss,
+    #                              its weight, acc_num, acc_den, streak_num, streak_den, objective loss, its weight
     step_w = torch.zeros(1, device=d.device, dtype=torch.float64)  # loss weight of this optimizer step
     params = [p for p in drafter.parameters()]
     t_start = t_log = time.time()
@@ -1124,7 +1225,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
             ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
             with ctx, autocast:
                 hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
-                parts = weighted_ce(hidden, head_w, item.labels, item.weights, CE_CHUNK, rows=item.rows)
+                parts = weighted_ce(hidden, head_w, item.labels, item.weights, CE_CHUNK, rows=item.rows,
+                                    reweight=loss_reweight(item, dcfg.block_size))
                 parts.loss_sum.backward()
             if m < GRAD_ACCUM - 1:
                 clock.stop(t0, item.tokens)
@@ -1132,8 +1234,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 last_unit = (t0, item.tokens)          # optimizer, which is part of the drafter's per-step cost
             bm = block_metrics(parts.correct.view(-1, dcfg.block_size), item.weights.view(-1, dcfg.block_size))
             step_w += parts.weight_sum.double()
-            sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(), bm["acc_num"].double(),
-                                 bm["acc_den"].double(), bm["streak_num"].double(), bm["streak_den"].double()])
+            sums += torch.stack([*decay_weighted(parts, item), bm["acc_num"], bm["acc_den"], bm["streak_num"],
+                                 bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum]).double()
             if DUMP_BATCHES and item.g < DUMP_BATCHES:   # exactly what arrived, for checking the transport
                 (out_dir / "dump").mkdir(parents=True, exist_ok=True)
                 torch.save({"g": item.g, "rank": d.rank, "features": item.features.cpu(), "lengths": item.lengths,
@@ -1187,7 +1289,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 if spread != 0.0:
                     raise RuntimeError(f"drafter ranks hold different weights after step {step} (checksum spread "
                                        f"{spread:g}): DDP gradient sync is broken")
-            loss, wt, an, ad, sn, sd = red.tolist()
+            loss, wt, an, ad, sn, sd, obj, obj_w = red.tolist()
             sums.zero_()
             if d.is_master:
                 dt = max(1e-9, now - t_log)
@@ -1204,7 +1306,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 eta = (total_steps - step) * dt / max(1, steps_done)
                 epoch = g_at(step) / data.plan.num_batches
                 row = {"time": now, "elapsed_s": now - t_start, "step": step, "total_steps": total_steps,
-                       "loss": loss / max(wt, 1e-12), "acc": an / max(ad, 1), "streak": sn / max(sd, 1),
+                       "loss": loss / max(wt, 1e-12), "objective": obj / max(obj_w, 1e-12), "acc": an / max(ad, 1),
+                       "streak": sn / max(sd, 1),
                        "lr": lr, "noise_std": noise_std, "tgt_mb_s": tgt_rate, "dft_mb_s": dft_rate,
                        "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta,
                        "ddp_weight_spread": spread}
@@ -1213,7 +1316,8 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
                 metrics.write(row)
                 el = now - t_start
                 tau = f" tau={last_eval['tau']:.2f}" if last_eval else ""
-                log(f"[{el / 60:.0f}m] step={step}/{total_steps} loss={row['loss']:.3f} acc={row['acc']:.3f} "
+                dpace = f" dpace={row['objective']:.3f}" if LOSS_WEIGHTING == "dpace" else ""
+                log(f"[{el / 60:.0f}m] step={step}/{total_steps} loss={row['loss']:.3f}{dpace} acc={row['acc']:.3f} "
                     f"streak={row['streak']:.2f}{tau} lr={lr:.1e} noise={noise_std:.3f} | tgt={tgt_rate:.2f}b/s "
                     f"dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | q_pre={q_pre} q_hs={q_hs} | "
                     f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")

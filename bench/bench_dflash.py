@@ -387,7 +387,8 @@ class DrafterRig:
                 hidden = self.drafter(item.features, item.ctx_pos, self.embed(item.block_ids), item.block_pos,
                                       item.attn)                                                      # [N*B, H]
                 probe("forward")
-                parts = weighted_ce(hidden, self.head_w, item.labels, item.weights, td.CE_CHUNK, rows=item.rows)
+                parts = weighted_ce(hidden, self.head_w, item.labels, item.weights, td.CE_CHUNK, rows=item.rows,
+                                    reweight=td.loss_reweight(item, B))
                 probe("CE")
             parts.loss_sum.backward()
         probe("backward")
@@ -667,7 +668,7 @@ def bench_ce(args, c) -> dict:
     out = {"rows": rows_n, "vocab": V, "kernels": {}}
     for name, fn in kernels.items():
         got = fn(logits.clone(), y, w, True)
-        diff = max(float((got[0] - ref[0]).abs()), float((got[2].float() - ref[2].float()).abs().max()))
+        diff = max(float((got[0] - ref[0]).abs().max()), float((got[2].float() - ref[2].float()).abs().max()))
         same_argmax = bool(torch.equal(got[1], ref[1]))
         buf = logits.clone()
         for _ in range(3):

@@ -61,8 +61,8 @@ def available(t: torch.Tensor) -> bool:
 
 def ce_epilogue(logits, y, w, need_grad, block=BLOCK, num_warps=NUM_WARPS):
     """logits [c, V] (bf16 or fp32, row-contiguous; overwritten by the gradient when need_grad), y [c] long,
-    w [c] fp32 -> (sum_r w_r CE_r, argmax == y [c], dL/dlogits [c, V] in the logits' dtype or None). The same
-    results as model.objective._eager_epilogue up to summation order."""
+    w [c] fp32 -> (CE_r [c] fp32, argmax == y [c], dL/dlogits of sum_r w_r CE_r [c, V] in the logits' dtype or
+    None). The same results as model.objective._eager_epilogue up to summation order."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [c, V] with contiguous rows"
     c, V = logits.shape
     lse = torch.empty(c, dtype=torch.float32, device=logits.device)
@@ -71,5 +71,4 @@ def ce_epilogue(logits, y, w, need_grad, block=BLOCK, num_warps=NUM_WARPS):
     if c:
         _ce_rows[(c,)](logits, y, w, lse, xy, arg, logits.stride(0), V=V, BLOCK=block, WRITE_GRAD=need_grad,
                        num_warps=num_warps)
-    loss = ((lse - xy) * w).sum()
-    return loss, arg.long() == y, logits if need_grad else None
+    return lse - xy, arg.long() == y, logits if need_grad else None

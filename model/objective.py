@@ -1,4 +1,4 @@
-"""Training objective on the packed layout: anchors, blocks, decay-weighted CE, acc and streak.
+"""Training objective on the packed layout: anchors, blocks, weighted CE (exp decay or D-PACE), acc and streak.
 
 Packed layout: sequences back to back, [T] per token (input_ids, loss_mask, doc_ids, positions).
 A block for anchor a is [x_a, MASK * (B-1)] at positions a_pos .. a_pos+B-1; slot k predicts x_{a+k}
@@ -94,21 +94,23 @@ class LossParts:
     loss_sum: torch.Tensor     # 0-dim, sum_r w_r * CE_r, carries grad
     weight_sum: torch.Tensor   # 0-dim, sum_r w_r (no grad)
     correct: torch.Tensor      # [M] bool: argmax == label on supervised rows, False elsewhere
+    ce: torch.Tensor           # [R] fp32 CE of each row in `rows` (no grad)
 
 
 def _eager_epilogue(logits, y, w, need_grad):
     """One chunk's CE from its logits: logits [c, V] as the matmul made them (bf16 under autocast), y [c] long,
-    w [c] fp32 -> (sum_r w_r CE_r, argmax == y [c], dL/dlogits [c, V] in the logits' dtype, None if not needed).
-    In place on one fp32 [c, V] buffer (fewest temporaries). On GPU model.ce_kernel does the same in one kernel."""
+    w [c] fp32 -> (CE_r [c] fp32, argmax == y [c], dL/dlogits of sum_r w_r CE_r [c, V] in the logits' dtype, None
+    if not needed). In place on one fp32 [c, V] buffer (fewest temporaries). On GPU model.ce_kernel does the same
+    in one kernel."""
     x = logits.float()                                                           # [c, V] fp32, this chunk only
     lse = torch.logsumexp(x, dim=-1)                                             # [c]
-    loss = ((lse - x.gather(1, y[:, None]).squeeze(1)) * w).sum()
+    ce = lse - x.gather(1, y[:, None]).squeeze(1)                                # [c]
     correct = x.argmax(-1) == y
     if not need_grad:
-        return loss, correct, None
+        return ce, correct, None
     g = x.sub_(lse[:, None]).exp_()                                              # softmax in place
     g[torch.arange(len(y), device=g.device), y] -= 1.0
-    return loss, correct, g.mul_(w[:, None]).to(logits.dtype)                   # dL/dlogits [c, V]
+    return ce, correct, g.mul_(w[:, None]).to(logits.dtype)                     # dL/dlogits [c, V]
 
 
 CE_KERNELS = ("auto", "eager")
@@ -128,58 +130,101 @@ def _pick_epilogue(logits):
 
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum_r w_r * CE(h_r @ W.T, y_r), one chunk of rows at a time. The gradients are computed chunk by chunk in
-    the forward (fused linear + CE, as in Liger), so no [rows, V] logits outlive their chunk."""
+    the forward (fused linear + CE, as in Liger), so no [rows, V] logits outlive their chunk.
+
+    reweight: None (w is final), or w = reweight(CE [R]) made after the last chunk from the per-row CE (D-PACE: the
+    weights depend on the drafter's own predictions). The chunks then run with unit weights and each row of grad_h
+    is scaled by its w_r afterwards, which is exact (row r's gradient is w_r times its unit-weight gradient); the
+    lm_head must be frozen then, as grad_W sums over rows and would need every w_r before the first chunk."""
 
     @staticmethod
-    def forward(ctx, h, W, labels, w, chunk_size):
+    def forward(ctx, h, W, labels, w, chunk_size, reweight):
         want_gW = ctx.needs_input_grad[1]
+        assert not (want_gW and reweight), "weights made from the CE itself need a frozen lm_head"
         ctx.W_dtype = W.dtype
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)        # [R]
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_W = torch.zeros_like(W, dtype=torch.float32) if want_gW else None
         need_grad = grad_h is not None or grad_W is not None
+        w_run = torch.ones_like(w, dtype=torch.float32) if reweight else w.float()
         for s in range(0, h.shape[0], chunk_size):
-            hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w[s:s + chunk_size].float()
+            hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w_run[s:s + chunk_size]
             logits = hc @ W.T                                                    # [c, V]
-            loss_c, correct[s:s + chunk_size], g = _pick_epilogue(logits)(logits, yc, wc, need_grad)
-            loss += loss_c
+            ce[s:s + chunk_size], correct[s:s + chunk_size], g = _pick_epilogue(logits)(logits, yc, wc, need_grad)
             if g is None:
                 continue
             if grad_h is not None:
                 grad_h[s:s + chunk_size] = g @ W
             if grad_W is not None:
                 grad_W += (g.T @ hc).float()
+        w = reweight(ce).float() if reweight else w_run                          # [R], no grad
+        if reweight and grad_h is not None:
+            grad_h.copy_(grad_h * w[:, None])                                    # in fp32, rounded once
+        weight_sum = w.sum()
         ctx.save_for_backward(grad_h, grad_W)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        ctx.mark_non_differentiable(correct, ce, weight_sum)
+        return (ce * w).sum(), correct, ce, weight_sum
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx, grad_loss, _grad_correct, _grad_ce, _grad_weight_sum):
         grad_h, grad_W = ctx.saved_tensors
         gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
         gW = (grad_W * grad_loss).to(ctx.W_dtype) if grad_W is not None else None
-        return gh, gW, None, None, None
+        return gh, gW, None, None, None, None
 
 
-def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=None) -> LossParts:
+def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=None, reweight=None) -> LossParts:
     """hidden [M, H], lm_head_weight [V, H], labels [M], weights [M]. Rows with weight 0 never reach the lm_head.
     chunk_size=0: the plain unchunked reference (full [rows, V] logits). rows: the indices of weights > 0 when the
-    caller planned them on the CPU (finding them here on a GPU is a device-to-host sync)."""
+    caller planned them on the CPU (finding them here on a GPU is a device-to-host sync). reweight: None, or
+    CE [R] (detached, of the rows) -> the weights [R] that replace weights[rows] (dpace_reweight)."""
     if rows is None:
         rows = (weights > 0).nonzero().squeeze(1)                                # [R]
     h, y, w = hidden[rows], labels[rows], weights[rows]
     if chunk_size:
         if not torch.is_grad_enabled():   # eval: the Function would otherwise compute gradients nobody reads
             h, lm_head_weight = h.detach(), lm_head_weight.detach()
-        loss_sum, ok = _ChunkedLinearCE.apply(h, lm_head_weight, y, w, chunk_size)
+        loss_sum, ok, ce, weight_sum = _ChunkedLinearCE.apply(h, lm_head_weight, y, w, chunk_size, reweight)
     else:
         logits = (h @ lm_head_weight.T).float()                                  # [R, V]
-        loss_sum = (F.cross_entropy(logits, y, reduction="none") * w.float()).sum()
+        ce_grad = F.cross_entropy(logits, y, reduction="none")                   # [R]
+        ce = ce_grad.detach()
+        w = (reweight(ce) if reweight else w).float()
+        loss_sum, weight_sum = (ce_grad * w).sum(), w.sum().detach()
         ok = logits.argmax(-1) == y
     correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     correct[rows] = ok
-    return LossParts(loss_sum=loss_sum, weight_sum=w.float().sum().detach(), correct=correct)
+    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, correct=correct, ce=ce)
+
+
+# ---------------------------------------------------------------------------
+# D-PACE weights (vLLM speculators' default weighting): weight each slot by how much the expected
+# accepted length depends on it
+
+def dpace_weights(q, supervised, alpha):
+    """q [N, B]: the drafter's probability of each slot's label (detached); supervised [N, B] bool -> [N, B].
+
+    With s_i = (1 - alpha) q_i + alpha on supervised slots and 1 elsewhere (slot 0 and slots past the document
+    pass through), w_k = sum over supervised j >= k of prod_{i <= j} s_i on supervised k, 0 elsewhere. Unsmoothed
+    (alpha = 0) the expected accepted length is E = sum_j prod_{i <= j} q_i and dE/dlog q_k = w_k, so
+    sum_k w_k CE_k (CE_k = -log q_k, w detached) has the gradient of -E: a slot counts as much as the acceptance
+    that rides on it. alpha > 0 keeps later slots trained while q is still near 0 (early training)."""
+    s = torch.where(supervised, (1 - alpha) * q + alpha, torch.ones_like(q))      # [N, B]
+    reach = torch.cumprod(s, dim=1) * supervised                                 # [N, B] prod_{i <= j} s_i
+    return reach.flip(1).cumsum(1).flip(1) * supervised                          # [N, B] suffix sums
+
+
+def dpace_reweight(weights, rows, block_size, alpha):
+    """For weighted_ce(..., rows=rows, reweight=...): CE [R] of the rows -> D-PACE weights [R]. weights [N*B] marks
+    the supervised slots (> 0; their exp decay is not used); rows are its indices > 0, in order."""
+    supervised = (weights > 0).view(-1, block_size)                             # [N, B]
+
+    def reweight(ce):
+        q = torch.zeros(weights.shape, dtype=torch.float32, device=ce.device)   # [N*B]
+        q[rows] = torch.exp(-ce)
+        return dpace_weights(q.view(-1, block_size), supervised, alpha).flatten()[rows]
+    return reweight
 
 
 def block_metrics(correct, weights):

@@ -1,5 +1,5 @@
-"""The Triton CE epilogue (model/ce_kernel.py) against the eager epilogue: loss, argmax == label (ties go to the
-first index, as torch.argmax), and dL/dlogits. On CPU through Triton's interpreter (a subprocess with
+"""The Triton CE epilogue (model/ce_kernel.py) against the eager epilogue: per-row CE, argmax == label (ties go to
+the first index, as torch.argmax), and dL/dlogits; the whole chunked CE with both, exp-decay and D-PACE weights. On CPU through Triton's interpreter (a subprocess with
 TRITON_INTERPRET=1, which Triton reads at import), on a GPU compiled, at the real vocabulary size."""
 import os
 import subprocess
@@ -38,29 +38,34 @@ def check_epilogue(device, dtype, c, V, block):
 
 
 def check_weighted_ce(device, dtype):
-    """The whole chunked CE with the kernel == with the eager epilogue: loss, correct, grads of hidden."""
+    """The whole chunked CE with the kernel == with the eager epilogue: loss, correct, grads of hidden; with the
+    given weights and with D-PACE's (made from the per-row CE after the chunks)."""
     from model import objective
     torch.manual_seed(1)
-    M, H, V = 45, 16, 301
+    M, H, V, B = 44, 16, 301, 4
     hidden, W = torch.randn(M, H).to(dtype).to(device), (torch.randn(V, H) * 0.5).to(dtype).to(device)
     labels = torch.randint(0, V, (M,)).to(device)
     weights = (torch.rand(M) * (torch.rand(M) > 0.3)).to(device)
+    rows = (weights > 0).nonzero().squeeze(1)
 
-    def run(kind):
+    def run(kind, dpace):
         objective.set_ce_kernel(kind)
         h = hidden.clone().requires_grad_()
-        p = objective.weighted_ce(h, W, labels, weights, chunk_size=16)      # 3 chunks, the last one short
+        reweight = objective.dpace_reweight(weights, rows, B, 0.5) if dpace else None
+        p = objective.weighted_ce(h, W, labels, weights, chunk_size=16, rows=rows, reweight=reweight)   # 3 chunks
         (p.loss_sum * 0.7).backward()
-        return p.loss_sum.detach(), p.correct, h.grad
+        return p.loss_sum.detach(), p.weight_sum, p.correct, h.grad
 
-    try:
-        ref, got = run("eager"), run("auto")
-    finally:
-        objective.set_ce_kernel("auto")
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got[0], ref[0], **tol)
-    assert torch.equal(got[1], ref[1])
-    torch.testing.assert_close(got[2], ref[2], **tol)
+    for dpace in (False, True):
+        try:
+            ref, got = run("eager", dpace), run("auto", dpace)
+        finally:
+            objective.set_ce_kernel("auto")
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got[0], ref[0], **tol)
+        torch.testing.assert_close(got[1], ref[1], **tol)
+        assert torch.equal(got[2], ref[2])
+        torch.testing.assert_close(got[3], ref[3], **tol)
 
 
 def interpreted():

@@ -1,10 +1,11 @@
-"""Anchors, blocks, chunked CE vs the unchunked reference, metrics."""
+"""Anchors, blocks, chunked CE vs the unchunked reference, D-PACE weights vs a loop reference, metrics."""
 import math
 
 import pytest
 import torch
 
-from model.objective import (block_metrics, make_blocks, pack, sample_anchors, valid_anchor_mask, weighted_ce)
+from model.objective import (block_metrics, dpace_reweight, dpace_weights, make_blocks, pack, sample_anchors,
+                             valid_anchor_mask, weighted_ce)
 
 
 def test_pack():
@@ -88,6 +89,74 @@ def test_chunked_ce_matches_reference():
     h = hidden.clone().requires_grad_()
     weighted_ce(h, W, labels, weights, chunk_size=8).loss_sum.backward()
     torch.testing.assert_close(h.grad, res[0][3] / 0.7)
+
+
+def dpace_loop(q, sup, alpha):
+    """D-PACE written out slot by slot: w_k = sum over supervised j >= k of prod_{i <= j} s_i, with
+    s_i = (1 - alpha) q_i + alpha on supervised slots and 1 on the others."""
+    N, B = len(q), len(q[0])
+    w = [[0.0] * B for _ in range(N)]
+    for n in range(N):
+        for k in range(B):
+            if not sup[n][k]:
+                continue
+            for j in range(k, B):
+                if sup[n][j]:
+                    prod = 1.0
+                    for i in range(j + 1):
+                        prod *= (1 - alpha) * q[n][i] + alpha if sup[n][i] else 1.0
+                    w[n][k] += prod
+    return w
+
+
+def test_dpace_weights_by_hand():
+    q = torch.tensor([[0.9, 0.6, 0.2, 1.0], [0.9, 0.2, 0.7, 0.6]])     # slot 0 (the anchor) is never supervised
+    sup = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 1]]).bool()            # block 1: slot 2 unsupervised, passes through
+    # alpha 0.5: s = 0.8 0.6 1.0 -> reach 0.8 0.48 0.48; block 1: s = 0.6 (1) 0.8 -> reach 0.6 - 0.48
+    want = torch.tensor([[0, 0.8 + 0.48 + 0.48, 0.48 + 0.48, 0.48], [0, 0.6 + 0.48, 0, 0.48]])
+    torch.testing.assert_close(dpace_weights(q, sup, 0.5), want)
+    torch.testing.assert_close(torch.tensor(dpace_loop(q.tolist(), sup.tolist(), 0.5)), want)
+    # alpha 1: every s is 1, w_k counts the supervised slots from k on; alpha 0: the plain acceptance products
+    torch.testing.assert_close(dpace_weights(q, sup, 1.0), torch.tensor([[0, 3, 2, 1], [0, 2, 0, 1.]]))
+    torch.testing.assert_close(dpace_weights(q, sup, 0.0),
+                               torch.tensor([[0, .6 + .12 + .12, .12 + .12, .12], [0, .2 + .12, 0, .12]]))
+    g = torch.Generator().manual_seed(3)
+    q, sup = torch.rand(6, 5, generator=g), torch.rand(6, 5, generator=g) > 0.3
+    for alpha in (0.0, 0.3, 1.0):
+        torch.testing.assert_close(dpace_weights(q, sup, alpha), torch.tensor(dpace_loop(q.tolist(), sup.tolist(), alpha)))
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 64])
+def test_dpace_ce_equals_reference(chunk):
+    """weighted_ce with D-PACE weights, unchunked and chunked (the fused path computes the gradients before the
+    weights exist and scales them afterwards) == a reference: full logits, q = softmax at the label, weights from
+    the slot loop, detached, loss sum_r w_r CE_r by autograd."""
+    torch.manual_seed(0)
+    N, B, H, V, alpha = 5, 4, 16, 50, 0.3
+    hidden, W = torch.randn(N * B, H), torch.randn(V, H) * 0.3
+    labels = torch.randint(0, V, (N * B,))
+    decay = torch.tensor([0.0, 1.0, 0.7, 0.5]).repeat(N)                 # what make_blocks gives: exp decay ...
+    decay[[6, 13, 14, 15]] = 0                                           # ... with holes and an empty block
+    rows = (decay > 0).nonzero().squeeze(1)
+
+    h = hidden.clone().requires_grad_()
+    logits = (h @ W.T).float()
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")              # [N*B]
+    q = torch.exp(-ce.detach()).view(N, B)
+    w = torch.tensor(dpace_loop(q.tolist(), (decay > 0).view(N, B).tolist(), alpha)).flatten()
+    want_loss = (w * ce).sum()
+    (want_loss * 0.7).backward()
+
+    got_h = hidden.clone().requires_grad_()
+    p = weighted_ce(got_h, W, labels, decay, chunk_size=chunk, rows=rows, reweight=dpace_reweight(decay, rows, B, alpha))
+    (p.loss_sum * 0.7).backward()
+    torch.testing.assert_close(p.loss_sum.detach(), want_loss.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p.weight_sum, w.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_h.grad, h.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(p.ce, ce.detach()[rows], rtol=1e-5, atol=1e-6)
+    assert torch.equal(p.correct, (logits.argmax(-1) == labels) & (decay > 0))
+    # not the exp-decay loss: the D-PACE weights really replaced the given ones
+    assert abs(float(p.weight_sum) - float(decay.sum())) > 0.1
 
 
 def test_block_metrics():

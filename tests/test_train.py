@@ -298,3 +298,18 @@ def test_busy_clock_skips_the_warmup_units():
         time.sleep(wait)
         clock.stop(t0, tokens)
     assert clock.poll()["busy_tok"] == 300 and clock.poll()["busy_s"] < 0.04
+
+
+def test_dpace_run_logs_both_losses(assets, tmp_path):
+    """LOSS_WEIGHTING=dpace trains; the status line's loss stays the exp-decay CE (one scale for both weightings)
+    and the D-PACE objective is logged beside it."""
+    target, data = assets
+    out = tmp_path / "out"
+    r = ok(run(1, base_args(target, data, out, LOSS_WEIGHTING="dpace", DPACE_ALPHA=0.3, MAX_STEPS=2)))
+    rows = metrics(out)
+    assert len(rows) == 2 and all(x["objective"] != x["loss"] for x in rows)
+    assert all(f"loss={x['loss']:.3f} dpace={x['objective']:.3f} acc=" in r.stdout for x in rows), r.stdout
+    r = ok(run(1, base_args(target, data, tmp_path / "exp", MAX_STEPS=1)))
+    row = metrics(tmp_path / "exp")[0]
+    assert row["objective"] == row["loss"] and " dpace=" not in r.stdout
+    assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)   # step 1: same weights, same yardstick
