@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The data-at-scale and quality runs on one GPU (BENCHMARKS.md sections "Generation" and "The quality curve"), in
+# parts that each fit one 10-minute device call and resume from what the previous part left under $WORK:
+#   PART=setup1  wheels from .whl/ into /tmp/site; the first half of the SmolLM2 GGUF (.gguf/part-aa) to $WORK
+#   PART=setup2  join the GGUF with .gguf/part-ab, convert it (tools.smollm2), engine == HF generate on SmolLM2
+#   PART=gen     data.synthesize: NUM conversations (self-written + MIX_RATIO shipped prompts), bounded by
+#                GEN_SECONDS (SIGTERM; rerun the part to go on: the run is resumable)
+#   PART=prep    data.prepare of the first 1K / 10K / 30K / all rows (the curve's data sizes)
+#   PART=train   the curve's drafters (RUNS, one process each, sharing the GPU), bounded by TRAIN_SECONDS
+#                (SIGTERM saves a checkpoint; rerun the part to go on: RESUME=auto)
+#   PART=eval    tau of every run's last checkpoint on the held-out prompts (walk: exact tau from one teacher-forced
+#                pass, fp32), then the decode loop on the best one (tau cross-check, losslessness, tokens/s)
+#   PART=all     setup2 gen prep train eval, for a machine where one process may run for hours
+#   PART=gen WORK=/tmp/q SMOL=~/.cache/dflash/smollm2-135m-instruct SMOKE=1 bash bench/quality_h200.sh   # CPU rehearsal
+# SMOKE=1 shrinks every number (a few rows, a few steps) so the whole chain runs on a CPU in minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PART=${PART:-all}
+WORK=${WORK:-/root/q}
+OUT=${OUT:-$WORK/out}
+PY=${PY:-python3}
+SMOL=${SMOL:-$WORK/smol}
+SMOKE=${SMOKE:-0}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TOKENIZERS_PARALLELISM=false
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$WORK" "$OUT"
+if [ "$SMOKE" = 1 ]; then
+    NUM=${NUM:-24}; SLOTS=${SLOTS:-8}; NEW=${NEW:-24}; PTOK=${PTOK:-32}; SIZES=${SIZES:-8 16 all}
+    STEPS=${STEPS:-4}; BUDGET=${BUDGET:-512}; ANCHORS=${ANCHORS:-16}; LAYERS=${LAYERS:-1}; EVAL_LIMIT=${EVAL_LIMIT:-3}
+    EVAL_NEW=${EVAL_NEW:-16}; DEV=cpu; DT=float32
+else
+    NUM=${NUM:-100000}; SLOTS=${SLOTS:-1024}; NEW=${NEW:-384}; PTOK=${PTOK:-128}; SIZES=${SIZES:-1000 10000 30000 all}
+    STEPS=${STEPS:-1500}; BUDGET=${BUDGET:-8192}; ANCHORS=${ANCHORS:-512}; LAYERS=${LAYERS:-5}; EVAL_LIMIT=${EVAL_LIMIT:-0}
+    EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16
+fi
+GEN=$WORK/gen/smollm2.jsonl
+# name:data-size:extra flags (the curve at one recipe, then the D-PACE lever at the largest size)
+RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: dpace:all:--LOSS_WEIGHTING=dpace"}
+[ "$SMOKE" = 1 ] && RUNS=${SMOKE_RUNS:-"c8:8: call:all: dpace:all:--LOSS_WEIGHTING=dpace"}
+T0=$(date +%s)
+say() { echo "[quality $(( $(date +%s) - T0 ))s] $*"; }
+
+part_setup1() {
+    ls .whl/*.whl >/dev/null && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    cp .gguf/part-aa "$WORK/gguf.part-aa"
+    PYTHONPATH=/tmp/site $PY -c "import datasets, pyarrow, datasketch, gguf; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+}
+
+part_setup2() {
+    if [ ! -f "$SMOL/config.json" ]; then
+        mkdir -p "$WORK/gguf"
+        cat "$WORK/gguf.part-aa" .gguf/part-ab > "$WORK/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+        md5sum "$WORK/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+        $PY -m tools.smollm2 --gguf "$WORK/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$SMOL"
+    fi
+    # the engine's greedy output against HF generate on the real target, on this GPU, with CUDA graphs
+    SMOLLM2_DIR="$SMOL" $PY -m pytest -q -x tests/test_engine.py -k "smollm2" -p no:cacheprovider 2>&1 | tail -3
+}
+
+part_gen() {
+    mkdir -p "$(dirname "$GEN")"
+    timeout -s TERM "${GEN_SECONDS:-100000}" $PY -m data.synthesize --model "$SMOL" --num "$NUM" --out "$GEN" --seed 0 \
+        --mix data/default/train_prompts.jsonl --mix-ratio 0.02 --max-new-tokens "$NEW" --prompt-tokens "$PTOK" \
+        --temperature 0.6 --prompt-temperature 1.0 --batch-size "$SLOTS" --device "$DEV" --dtype "$DT" \
+        2>&1 | tr '\r' '\n' | grep -v "^synthesize: *[0-9]*%|" | tail -40 || say "synthesize stopped (rc $?): rerun PART=gen to go on"
+    say "rows in $GEN: $(wc -l < "$GEN")"
+    cp "$GEN.stats.json" "$OUT/gen_stats.json" 2>/dev/null || true
+}
+
+part_prep() {
+    for n in $SIZES; do
+        local src=$GEN
+        [ "$n" != all ] && { src=$WORK/gen/first_$n.jsonl; head -n "$n" "$GEN" > "$src"; }
+        [ -f "$WORK/prep_$n/stats.json" ] && [ "$n" != all ] && continue
+        $PY -m data.prepare --tokenizer "$SMOL" --out "$WORK/prep_$n" --max-len 2048 --overwrite "$src" 2>&1 | tail -4
+        cp "$WORK/prep_$n/stats.json" "$OUT/prep_${n}_stats.json"
+    done
+}
+
+part_train() {
+    local pids=() name size extra
+    for run in $RUNS; do
+        IFS=: read -r name size extra <<< "$run"
+        mkdir -p "$WORK/runs/$name"
+        # one process per run (target forward on its feeder thread, drafter on the main thread), all on the one GPU
+        timeout -s TERM "${TRAIN_SECONDS:-100000}" $PY train_dflash.py --TARGET="$SMOL" --DATA="$WORK/prep_$size" \
+            --OUT_DIR="$WORK/runs/$name" --DEVICE="$DEV" --TOKEN_BUDGET="$BUDGET" --MAX_BATCH_SIZE=64 \
+            --MAX_ANCHORS="$ANCHORS" --BLOCK_SIZE=16 --GAMMA=7 --NUM_DRAFT_LAYERS="$LAYERS" --MAX_STEPS="$STEPS" \
+            --LR=6e-4 --SAVE_EVERY=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 )) --KEEP_LAST=5 --LOG_EVERY=50 $extra \
+            >> "$WORK/runs/$name/train.log" 2>&1 &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || true; done
+    for run in $RUNS; do
+        IFS=: read -r name size extra <<< "$run"
+        echo "== $name ($size rows $extra)"; grep -a "step=\|done\|error\|Error" "$WORK/runs/$name/train.log" | tail -3
+        cp "$WORK/runs/$name/metrics.jsonl" "$OUT/metrics_$name.jsonl" 2>/dev/null || true
+    done
+}
+
+last_drafter() { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null | sort | tail -1; }
+
+part_eval() {
+    local drafters=() name size extra
+    for run in $RUNS; do
+        IFS=: read -r name size extra <<< "$run"
+        d=$(last_drafter "$name"); [ -n "$d" ] && drafters+=("$d")
+    done
+    local lim=(); [ "$EVAL_LIMIT" != 0 ] && lim=(--limit "$EVAL_LIMIT")
+    $PY eval_dflash.py --method walk --target "$SMOL" --drafter "${drafters[@]}" --prompts data/default/eval_prompts.jsonl \
+        "${lim[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --device "$DEV" --skip-long --out "$OUT/eval_walk.json" \
+        2>&1 | grep -v "^Loading\|it/s\]" | tail -40
+    # the best by walk tau: the decode loop on the first prompts (tau must equal the walk's there), fp32 and bf16
+    best=$($PY -c "import json,sys; r=json.load(open('$OUT/eval_walk.json')); r=r.get('drafters',[r]); print(max(r,key=lambda x:x['tau'])['drafter'])")
+    say "best by walk tau: $best"
+    for dt in float32 bfloat16; do
+        $PY eval_dflash.py --target "$SMOL" --drafter "$best" --prompts data/default/eval_prompts.jsonl \
+            --limit "${DECODE_LIMIT:-24}" --max-new-tokens "$EVAL_NEW" --dtype $dt --device "$DEV" --skip-long \
+            --out "$OUT/eval_decode_$dt.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -12
+    done
+}
+
+case $PART in
+    all) for p in setup2 gen prep train eval; do say "part $p"; part_$p; done ;;
+    setup1|setup2|gen|prep|train|eval) part_$PART ;;
+    *) echo "unknown PART=$PART (setup1 setup2 gen prep train eval all)"; exit 2 ;;
+esac
+say "PART=$PART done"
