@@ -516,9 +516,11 @@ def bench_drafter(args, c) -> dict:
         samples += len(n)
         tokens += T
     steps = len(items)
+    blocks = sum(i[4] for i in items)
     out = {"build_s": build_s, "flex_compile_s": compile_s, "warmup_s": warmup_s, "steps": steps, "seconds": dt,
            "ms_per_step": 1e3 * dt / steps, "samples_s": samples / dt, "tok_s": tokens / dt,
-           "anchors_per_step": sum(i[4] for i in items) / steps,
+           "anchors_per_step": blocks / steps, "blocks_per_1k_tokens": 1e3 * blocks / tokens,
+           "blocks_per_sequence": blocks / samples,
            "supervised_rows_per_step": sum(i[5] for i in items) / steps,
            "tflops": flops["total"] / dt / 1e12, "tflop_per_step": {k: v / steps / 1e12 for k, v in flops.items()},
            "prepare_ms": 1e3 * sum(feeder.prepare_s) / max(1, len(feeder.prepare_s)),
@@ -873,11 +875,18 @@ def _gib(b):
     return "n/a" if b is None else planner.fmt_gib(b)
 
 
+def work_density(anchors, batch, seq) -> str:
+    """The drafter's work per token, which every throughput figure must be read at: MAX_ANCHORS counts blocks per
+    micro-batch, SpecForge's num_anchors counts them per sequence (x sequences per micro-batch = MAX_ANCHORS)."""
+    return f"{1e3 * anchors / (batch * seq):.0f} blocks/1K tok = SpecForge num_anchors {anchors / batch:.0f}/seq"
+
+
 def report(res, c) -> str:
     a = res["args"]
+    work = work_density(a["anchors"], a["batch"], a["seq"])
     lines = [f"## DFlash bench: {a['shape']}, {a['batch']} x {a['seq']} tokens "
              f"({'mixed ' + str(a['min_len']) + '..' + str(a['seq']) if a['mixed'] else 'fixed'}), drafter "
-             f"L={a['layers']} B={a['block']} anchors={a['anchors']} taps={c.dcfg.target_layer_ids}",
+             f"L={a['layers']} B={a['block']} anchors={a['anchors']} ({work}) taps={c.dcfg.target_layer_ids}",
              f"{res['env']['device']}, torch {res['env']['torch']}, transformers {res['env']['transformers']}, "
              f"{str(c.dtype).removeprefix('torch.')}, drafter attention {'flex' if c.flex else 'sdpa'}"
              + (f"; matmul peak {res['peak_tflops']:.4g} TFLOP/s measured ({DATASHEET_TFLOPS:g} datasheet)"
@@ -898,7 +907,8 @@ def report(res, c) -> str:
                                                              f"{t['build_s']:.1f}")
     d = res.get("drafter")
     if d and "error" not in d:
-        row("drafter", "samples/s; context tokens/s", f"{d['samples_s']:.2f}; {_k(d['tok_s'])}")
+        row("drafter", "samples/s; context tokens/s (blocks per 1K tokens, per sequence)",
+            f"{d['samples_s']:.2f}; {_k(d['tok_s'])} ({d['blocks_per_1k_tokens']:.0f}, {d['blocks_per_sequence']:.0f})")
         row("drafter", "ms per step (anchors, supervised rows)",
             f"{d['ms_per_step']:.1f} ({d['anchors_per_step']:.0f}, {d['supervised_rows_per_step']:.0f})")
         row("drafter", "TFLOP/s; MFU vs measured / datasheet peak",
@@ -923,14 +933,14 @@ def report(res, c) -> str:
         row("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})")
         row("pipeline", "features GB/s, MB per micro-batch", f"{p['feature_gb_s']:.1f}, "
                                                              f"{p['feature_mb_per_micro_batch']:.0f}")
-        row("pipeline", "samples/s; tokens/s" + (" (target fwd + drafter step)" if p["compute"] else
+        row("pipeline", "samples/s; tokens/s" + (f" (target fwd + drafter step, {work})" if p["compute"] else
                                                  " (transport only)"), f"{p['samples_s']:.2f}; {_k(p['tok_s'])}")
     if t and d and "error" not in t and "error" not in d:
         per_sample = d["tok_s"] / d["samples_s"]
         for n in (2, 4, 8):
             nt, nd = planner.recommend_split(t["tok_s"], d["tok_s"], n)
             rate = planner.split_rate(nt, nd, t["tok_s"], d["tok_s"])
-            row("split", f"{n} GPUs: planner.recommend_split from these rates",
+            row("split", f"{n} GPUs: planner.recommend_split from these rates ({work})",
                 f"{nt} target : {nd} drafter => {_k(rate)} tok/s, {_k(rate / n)} tok/s = "
                 f"{rate / n / per_sample:.2f} samples/s per GPU")
     for role in ("target", "drafter", "pipeline"):
