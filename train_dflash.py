@@ -907,7 +907,8 @@ def main(argv):
             if DRAFTER_FP8:   # the same parameters in other modules: before the optimizer and the compile
                 log(f"[rank {d.rank} {d.role}] DRAFTER_FP8: {fp8.convert_drafter(drafter)} Linear layers train in FP8 "
                     f"(rowwise); fc and the lm_head stay bf16" + ("" if COMPILE_DRAFTER == "layers" else
-                                                                  "; without COMPILE_DRAFTER=layers it is slower"))
+                                                                  "; meant with COMPILE_DRAFTER=layers, which fuses "
+                                                                  "its casts"))
             embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
                 (target.embed_tokens, target.lm_head_weight, None)
             params = [p for p in drafter.parameters()]

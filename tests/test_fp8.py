@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from model import fp8
-from runs import REPO, base_args, make_dataset, make_target, run
+from runs import base_args, make_dataset, make_target, run
 
-torchao = pytest.importorskip("torchao", reason="FP8 goes through torchao (pip install torchao==0.18.0)")
+
+def needs_torchao():
+    pytest.importorskip("torchao", reason="FP8 goes through torchao (requirements.txt: torchao==0.18.0)")
 
 
 def test_fp8_needs_an_sm89_gpu(monkeypatch):
@@ -45,6 +47,7 @@ def test_rowwise_fp8_matmul_against_an_fp32_reference():
     each weight and, per micro-batch, to each activation) and the scaled GEMM it calls on the GPU
     (torch._scaled_mm: e4m3 operands, one scale per row of each, fp32 accumulation), against the same arithmetic in
     fp32: scale = amax(|row|) / 448, round to e4m3, multiply back, matmul."""
+    needs_torchao()
     from torchao.quantization import Float8Tensor, PerRow
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g) * 8).to(torch.bfloat16)  # [tokens, in]
@@ -76,6 +79,7 @@ def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_q
     """convert_drafter with torchao's emulation (float8 rounding of every GEMM operand, forward and backward, the
     matmuls in high precision): the same parameters and checkpoint keys, fc untouched, and loss and gradients near
     the bf16 ones but not equal to them (the conversion took effect)."""
+    needs_torchao()
     from model.objective import weighted_ce
     torch.manual_seed(0)
     base = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)

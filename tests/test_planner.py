@@ -40,7 +40,8 @@ def test_bench_tiny_runs_end_to_end_without_datasets(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(r.stdout)
-    for line in ("| target | tokens/s (real / padded) |", "| drafter | samples/s; context tokens/s |",
+    for line in ("| target | tokens/s (real / padded) |",
+                 "| drafter | samples/s; context tokens/s (blocks per 1K tokens, per sequence) |",
                  "| drafter | **peak estimate**", "torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash"):
         assert line in r.stdout, line
     res = json.loads(out.read_text())
@@ -57,6 +58,7 @@ def test_bench_fixed_shapes_in_process(capsys):
     res = bd.main(["--shape", "tiny", "--mode", "drafter", "--steps", "2", "--warmup", "1", "--cpu"])
     d = res["drafter"]
     assert d["anchors_per_step"] == 8                                                   # MAX_ANCHORS binds
+    assert d["blocks_per_1k_tokens"] == pytest.approx(1e3 * 8 / 256) and d["blocks_per_sequence"] == 2   # 4 x 64
     assert 6 * 3 <= d["supervised_rows_per_step"] <= 8 * 3        # B-1 slots each, fewer at a sequence's end
     assert d["tok_s"] == pytest.approx(d["samples_s"] * 64)                          # 4 x 64 tokens
     assert "| drafter | ms per step" in capsys.readouterr().out
