@@ -24,11 +24,11 @@ MIN_CAPABILITY = (8, 9)     # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newe
 TORCHAO = "torchao==0.18.0"
 
 
-def check(name: str, device) -> str | None:
+def check(name: str, device, fix: str = "") -> str | None:
     """None when `name` (TARGET_FP8 or DRAFTER_FP8) can run on `device`, else the error line that says why and
-    what to do."""
+    what to do (`fix`, default: the trainer's --NAME=False)."""
     device = torch.device(device)
-    off = f"set --{name}=False"
+    off = fix or f"set --{name}=False"
     if device.type != "cuda":
         return f"{name} needs an SM89+ GPU (FP8 tensor cores: Ada, Hopper or newer); this run is on the {device.type}: {off}"
     cap = torch.cuda.get_device_capability(device)
