@@ -39,8 +39,8 @@ DFT_CE_FUSED_COPIES = 1.0  # the same on GPU in bf16: the Triton epilogue writes
 DFT_QUEUE_EXTRA = 2        # received micro-batches alive beyond Q_HS: one training, one prepared and waiting to enter
 DFT_DDP_BUCKETS = 1.0      # fp32 gradient copies DDP keeps in its buckets with >= 2 drafter ranks
 DFT_COMPILED_LAYER_SCALE = 0.68  # COMPILE_DRAFTER=layers: share of the eager per-layer activations (block + kv) a
-#                             compiled layer saves (its partitioner recomputes the norms, casts and SiLU in the
-#                             backward instead of saving them). Fitted to the H200 peaks (test_planner's MEASURED);
+#                             compiled layer saves (its partitioner can recompute cheap ops in the backward rather
+#                             than save them). Fitted to the H200 peaks (test_planner's MEASURED);
 #                             saved_tensors_hooks on a layer compiled on the CPU count 0.63
 FP32_ACT_SCALE = 2.0       # DTYPE=float32 (no autocast): activation terms scale by about this
 # fitting a GPU
