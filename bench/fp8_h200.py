@@ -103,8 +103,9 @@ def part_limits(res, c):
         all_bf16 = sum(v for k, v in f.items() if k != "tokens") / (bf16 * 1e12)
         with_fp8 = (f["target_fp8able"] + f["drafter_fp8able"]) / (fp8 * 1e12) + \
             (f["target_bf16"] + f["drafter_bf16"]) / (bf16 * 1e12)
-        emit(res, f"limit {anchors} blocks", f"{bd.work_density(anchors, 4, 3072)}: target {(f['target_fp8able'] + f['target_bf16']) / 1e12:.1f} "
-             f"+ drafter {(f['drafter_fp8able'] + f['drafter_bf16']) / 1e12:.1f} TFLOP per micro-batch -> bf16 limit "
+        tgt, dft = (f["target_fp8able"] + f["target_bf16"]) / 1e12, (f["drafter_fp8able"] + f["drafter_bf16"]) / 1e12
+        emit(res, f"limit {anchors} blocks", f"{bd.work_density(anchors, 4, 3072)}: target {tgt:.1f} "
+             f"+ drafter {dft:.1f} TFLOP per micro-batch -> bf16 limit "
              f"{f['tokens'] / all_bf16 / 1e3:.1f}K tok/s per GPU; FP8 limit (target and drafter GEMMs at the FP8 peak) "
              f"{f['tokens'] / with_fp8 / 1e3:.1f}K", flops=f, bf16_limit_tok_s=f["tokens"] / all_bf16,
              fp8_limit_tok_s=f["tokens"] / with_fp8)

@@ -29,12 +29,12 @@ def check(name: str, device, fix: str = "") -> str | None:
     what to do (`fix`, default: the trainer's --NAME=False)."""
     device = torch.device(device)
     off = fix or f"set --{name}=False"
+    need = f"{name} needs an SM89+ GPU (FP8 tensor cores: Ada, Hopper or newer)"
     if device.type != "cuda":
-        return f"{name} needs an SM89+ GPU (FP8 tensor cores: Ada, Hopper or newer); this run is on the {device.type}: {off}"
+        return f"{need}; this run is on the {device.type}: {off}"
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
-        return (f"{name} needs an SM89+ GPU (FP8 tensor cores: Ada, Hopper or newer); {torch.cuda.get_device_name(device)} "
-                f"is SM{cap[0]}{cap[1]}: {off}")
+        return f"{need}; {torch.cuda.get_device_name(device)} is SM{cap[0]}{cap[1]}: {off}"
     try:
         import torchao  # noqa: F401
     except ImportError:
