@@ -38,6 +38,10 @@ DFT_CE_FP32_COPIES = 2.0   # [CE_CHUNK, vocab] fp32 buffers alive at once inside
 DFT_CE_FUSED_COPIES = 1.0  # the same on GPU in bf16: the Triton epilogue writes the grad over the bf16 logits
 DFT_QUEUE_EXTRA = 2        # received micro-batches alive beyond Q_HS: one training, one prepared and waiting to enter
 DFT_DDP_BUCKETS = 1.0      # fp32 gradient copies DDP keeps in its buckets with >= 2 drafter ranks
+DFT_COMPILED_LAYER_SCALE = 0.68  # COMPILE_DRAFTER=layers: share of the eager per-layer activations (block + kv) a
+#                             compiled layer saves (its partitioner can recompute cheap ops in the backward rather
+#                             than save them). Fitted to the H200 peaks (test_planner's MEASURED);
+#                             saved_tensors_hooks on a layer compiled on the CPU count 0.63
 FP32_ACT_SCALE = 2.0       # DTYPE=float32 (no autocast): activation terms scale by about this
 # fitting a GPU
 FRAGMENTATION = 0.08       # share of the GPU lost between allocated and reserved (expandable_segments keeps it low)
@@ -149,11 +153,11 @@ def _target_terms(s, d, prefix=""):
 
 def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     L, K, T, M, R, P = d["L"], d["K"], d["tokens"], d["M"], d["R"], d["drafter_params"]
-    act = d["act_scale"]
+    act, lay = d["act_scale"], d["layer_act_scale"]
     fwd, bwd = (prefix + "forward",), (prefix + "backward end",)
-    block = (L * (DFT_BLOCK_PER_H * s.H + DFT_BLOCK_PER_QD * s.qd + DFT_BLOCK_PER_I * s.I)
-             + (L - 1) * DFT_BLOCK_RES_PER_H * s.H)
-    kv = L * (DFT_KV_PER_H * s.H + DFT_KV_PER_KVD * s.kvd)
+    block = lay * (L * (DFT_BLOCK_PER_H * s.H + DFT_BLOCK_PER_QD * s.qd + DFT_BLOCK_PER_I * s.I)
+                   + (L - 1) * DFT_BLOCK_RES_PER_H * s.H)
+    kv = lay * L * (DFT_KV_PER_H * s.H + DFT_KV_PER_KVD * s.kvd)
     once = T * DFT_CTX_PER_H * s.H + (T + M) * DFT_ROPE_PER_D * s.D + M * DFT_OUT_PER_H * s.H
     item = d["feature_bytes"] + (0 if d["flex"] else M * (T + M))     # the SDPA path also holds a dense bool mask
     copies = 0 if d["fp32"] else drafter_linear_params(s, L, K) * BF16
@@ -163,9 +167,10 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
         _term("AdamW exp_avg + exp_avg_sq fp32", "AdamW", 2 * P * FP32, "static"),
         _term(f"received micro-batches: {d['queue_items']} x features [{T}, {K}*{s.H}] bf16"
               + ("" if d["flex"] else f" + dense mask [{M}, {T}+{M}] bool"), "queue", d["queue_items"] * item,
-              "static", None if d["inflight"] == 0 else "Q_HS"),
+              "static", "Q_HS"),
         _term("autocast bf16 copies of the Linear weights", "bf16 copies", copies, fwd + bwd),
-        _term(f"activations, block tokens: {L} layers x {M} rows (MAX_ANCHORS {d['N']} x BLOCK_SIZE {d['B']})",
+        _term(f"activations, block tokens: {L} layers x {M} rows (MAX_ANCHORS {d['N']} x BLOCK_SIZE {d['B']})"
+              + (f", compiled layers save {lay:g} of eager" if lay != 1 else ""),
               "block acts", act * M * block, fwd, "MAX_ANCHORS"),
         _term(f"activations, keys/values: {L} layers x [{T} context + {M} block] rows", "kv acts",
               act * (T + M) * kv, fwd, "TOKEN_BUDGET"),
@@ -224,12 +229,15 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
              feature_bytes=T * K * s.H * BF16, drafter_params=drafter_params(s, L, K),
              target_params=s.V * s.H * (1 if s.tied else 2) + s.n_layers * target_layer_params(s) + s.H,
              fp32=dtype == "float32", act_scale=FP32_ACT_SCALE if dtype == "float32" else 1.0,
+             layer_act_scale=DFT_COMPILED_LAYER_SCALE if cfg.get("COMPILE_DRAFTER") == "layers" else 1.0,
              flex=str(cfg.get("ATTN", "auto")) != "sdpa", n_targets=n_tgt, n_drafters=n_dft,
              # the planner plans GPU runs: a chunked CE in bf16 there runs model/ce_kernel.py (CE_CHUNK=0 is the
              # unchunked fp32 reference)
              fused_ce=dtype != "float32" and bool(cfg["CE_CHUNK"]),
              inflight=0 if colocated else cfg["SEND_DEPTH"] + 1,
-             queue_items=1 if colocated else cfg["Q_HS"] + DFT_QUEUE_EXTRA)
+             # one process: the feeder's queue holds Q_HS prepared micro-batches too, full when the target outpaces
+             # the drafter (many anchors per token)
+             queue_items=cfg["Q_HS"] + DFT_QUEUE_EXTRA)
     if colocated:
         roles = {"target+drafter": _role(_target_terms(s, d, "target ")
                                          + _drafter_terms(s, d, cfg, "drafter ", frozen_shared=True))}

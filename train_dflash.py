@@ -66,7 +66,9 @@ DEVICE = "auto"             # auto | cuda | cpu
 DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
 COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (that + each layer one graph)
-COMPILE_TARGET = False      # torch.compile each target decoder layer on target ranks (not in the one-process mode)
+COMPILE_TARGET = False      # torch.compile each target decoder layer (one process too: warmed up on the main thread)
+TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
+DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, rowwise)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (optim.py)
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
@@ -775,6 +777,10 @@ def main(argv):
     config.update(TARGET=TARGET, DATA=DATA)
     d = Dist()
     log(f"[rank {d.rank} {d.role}] {d}")
+    from model import fp8
+    errs = [e for name in ("TARGET_FP8", "DRAFTER_FP8") if globals()[name] and (e := fp8.check(name, d.device))]
+    if errs:   # every rank checks, so the whole job stops here, before any model loads
+        sys.exit("error: " + "; ".join(errs))
 
     import numpy as np
     import torch
@@ -961,11 +967,18 @@ def main(argv):
             from model.target import Target
             with Phase(d, f"load target {TARGET}", watchdog):
                 target = Target(TARGET, d.device, d.dtype, dcfg.target_layer_ids)
+            if TARGET_FP8:   # before compiling: the compiled layers then fuse the activations' FP8 casts
+                log(f"[rank {d.rank} {d.role}] TARGET_FP8: {fp8.quantize_target(target)} Linear layers of target "
+                    f"layers 0..{max(dcfg.target_layer_ids)} in FP8 (per-row scales)")
+            if COMPILE_TARGET:
+                target.compile_layers()   # a target rank compiles at its first forward, on this (the main) thread
             if COMPILE_TARGET and d.colocated:
-                log("COMPILE_TARGET is ignored in the one-process mode: its target forward runs on the feeder thread, "
-                    "where dynamo may not compile")
-            elif COMPILE_TARGET:
-                target.compile_layers()   # compiled by the first forward, on this (the main) thread
+                # The one process runs its target forward on the feeder thread (its own CUDA stream, so it overlaps
+                # the drafter step, and HF's host syncs stall the feeder, not the thread that launches the drafter).
+                # Dynamo would compile there at the first micro-batch, while the main thread compiles the drafter:
+                # instead every graph is made here, before the feeder starts, so it only runs them.
+                with Phase(d, "compile the target (main thread, before the feeder thread)", watchdog):
+                    target.warm_up(TOKEN_BUDGET)
         if d.is_target and not d.colocated:
             sender = Sender(d.ctrl, d.data, SEND_DEPTH, watchdog)
             sender.start()
@@ -987,6 +1000,11 @@ def main(argv):
         with Phase(d, "build drafter", watchdog):
             torch.manual_seed(SEED)
             drafter = Drafter(dcfg).to(d.device)                      # fp32 master weights
+            if DRAFTER_FP8:   # the same parameters in other modules: before the optimizer and the compile
+                log(f"[rank {d.rank} {d.role}] DRAFTER_FP8: {fp8.convert_drafter(drafter)} Linear layers train in FP8 "
+                    f"(rowwise); fc and the lm_head stay bf16" + ("" if COMPILE_DRAFTER == "layers" else
+                                                                  "; meant with COMPILE_DRAFTER=layers, which fuses "
+                                                                  "its casts"))
             embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
                 (target.embed_tokens, target.lm_head_weight, None)
             params = [p for p in drafter.parameters()]

@@ -78,9 +78,11 @@ def _init_random_(module: nn.Module, seed: int) -> None:
             p.fill_(1.0)
 
 
-def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, compile_layers=False, seed=0):
+def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, compile_layers=False, seed=0,
+                 fp8=False):
     """A model.target.Target around a random HF model built on the meta device and materialised on `device`
-    (an 8B model in seconds on a GPU; no fp32 CPU init, no files)."""
+    (an 8B model in seconds on a GPU; no fp32 CPU init, no files). fp8: TARGET_FP8 (before compiling, as the
+    trainer does)."""
     from transformers import AutoModelForCausalLM
     from model.target import Target
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -111,6 +113,9 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
     t.embed_tokens = model.get_input_embeddings()
     t.lm_head_weight = model.get_output_embeddings().weight
     t.device, t.dtype = torch.device(device), t.embed_tokens.weight.dtype
+    if fp8:
+        from model.fp8 import quantize_target
+        quantize_target(t)
     if compile_layers:
         t.compile_layers()
     return t
@@ -238,7 +243,8 @@ def drafter_flops(s, L, K, T, M, R, pairs) -> dict:
 
 def bench_target(args, c) -> dict:
     t0 = time.time()
-    target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, args.target_attn, args.compile, args.seed)
+    target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, args.target_attn, args.compile, args.seed,
+                          args.target_fp8)
     build_s = time.time() - t0
     warmup = max(args.warmup, 2) if args.compile else args.warmup
     lens = batch_lengths(args, warmup + args.steps)
@@ -264,7 +270,7 @@ def bench_target(args, c) -> dict:
     real, padded = sum(map(sum, timed)), sum(len(l) * max(l) for l in timed)
     flops = sum(target_flops(c.sizes, max(c.dcfg.target_layer_ids) + 1, l) for l in timed)
     out = {"build_s": build_s, "attn_implementation": target.model.config._attn_implementation,
-           "compiled": bool(args.compile), "micro_batches": len(timed), "seconds": dt,
+           "compiled": bool(args.compile), "fp8": args.target_fp8, "micro_batches": len(timed), "seconds": dt,
            "tok_s": real / dt, "padded_tok_s": padded / dt, "ms_per_micro_batch": 1e3 * dt / len(timed),
            "tflops": flops / dt / 1e12, "peak_mem_bytes": peak, "profile": prof}
     out.update(c.mfu(out["tflops"]))
@@ -361,11 +367,14 @@ class Feeder(threading.Thread):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True):
+    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True, fp8=False):
         from model.drafter import compile_drafter
         from model.objective import set_ce_kernel
         self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
+        if fp8:                                            # DRAFTER_FP8, in the trainer's order
+            from model.fp8 import convert_drafter
+            convert_drafter(self.drafter)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         set_ce_kernel(ce_kernel)
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
@@ -472,7 +481,8 @@ def bench_drafter(args, c) -> dict:
     if args.switch_interval:   # how often the feeder thread must hand the GIL back to the main (launching) thread
         sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
-    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, bool(args.overlap_optimizer))
+    rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, bool(args.overlap_optimizer),
+                     args.drafter_fp8)
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
@@ -517,16 +527,18 @@ def bench_drafter(args, c) -> dict:
         samples += len(n)
         tokens += T
     steps = len(items)
+    blocks = sum(i[4] for i in items)
     out = {"build_s": build_s, "flex_compile_s": compile_s, "warmup_s": warmup_s, "steps": steps, "seconds": dt,
            "ms_per_step": 1e3 * dt / steps, "samples_s": samples / dt, "tok_s": tokens / dt,
-           "anchors_per_step": sum(i[4] for i in items) / steps,
+           "anchors_per_step": blocks / steps, "blocks_per_1k_tokens": 1e3 * blocks / tokens,
+           "blocks_per_sequence": blocks / samples,
            "supervised_rows_per_step": sum(i[5] for i in items) / steps,
            "tflops": flops["total"] / dt / 1e12, "tflop_per_step": {k: v / steps / 1e12 for k, v in flops.items()},
            "prepare_ms": 1e3 * sum(feeder.prepare_s) / max(1, len(feeder.prepare_s)),
            "prepare_cpu_ms": 1e3 * sum(feeder.prepare_cpu_s) / max(1, len(feeder.prepare_cpu_s)),
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
-           "compile_drafter": args.compile_drafter, "ce_kernel": args.ce_kernel,
+           "compile_drafter": args.compile_drafter, "fp8": args.drafter_fp8, "ce_kernel": args.ce_kernel,
            "overlap_optimizer": bool(rig.opt.overlap),
            "profile": prof}
     out.update(c.mfu(out["tflops"]))
@@ -874,11 +886,18 @@ def _gib(b):
     return "n/a" if b is None else planner.fmt_gib(b)
 
 
+def work_density(anchors, batch, seq) -> str:
+    """The drafter's work per token, which every throughput figure must be read at: MAX_ANCHORS counts blocks per
+    micro-batch, SpecForge's num_anchors counts them per sequence (x sequences per micro-batch = MAX_ANCHORS)."""
+    return f"{1e3 * anchors / (batch * seq):.0f} blocks/1K tok = SpecForge num_anchors {anchors / batch:.0f}/seq"
+
+
 def report(res, c) -> str:
     a = res["args"]
+    work = work_density(a["anchors"], a["batch"], a["seq"])
     lines = [f"## DFlash bench: {a['shape']}, {a['batch']} x {a['seq']} tokens "
              f"({'mixed ' + str(a['min_len']) + '..' + str(a['seq']) if a['mixed'] else 'fixed'}), drafter "
-             f"L={a['layers']} B={a['block']} anchors={a['anchors']} taps={c.dcfg.target_layer_ids}",
+             f"L={a['layers']} B={a['block']} anchors={a['anchors']} ({work}) taps={c.dcfg.target_layer_ids}",
              f"{res['env']['device']}, torch {res['env']['torch']}, transformers {res['env']['transformers']}, "
              f"{str(c.dtype).removeprefix('torch.')}, drafter attention {'flex' if c.flex else 'sdpa'}"
              + (f"; matmul peak {res['peak_tflops']:.4g} TFLOP/s measured ({DATASHEET_TFLOPS:g} datasheet)"
@@ -899,7 +918,8 @@ def report(res, c) -> str:
                                                              f"{t['build_s']:.1f}")
     d = res.get("drafter")
     if d and "error" not in d:
-        row("drafter", "samples/s; context tokens/s", f"{d['samples_s']:.2f}; {_k(d['tok_s'])}")
+        row("drafter", "samples/s; context tokens/s (blocks per 1K tokens, per sequence)",
+            f"{d['samples_s']:.2f}; {_k(d['tok_s'])} ({d['blocks_per_1k_tokens']:.0f}, {d['blocks_per_sequence']:.0f})")
         row("drafter", "ms per step (anchors, supervised rows)",
             f"{d['ms_per_step']:.1f} ({d['anchors_per_step']:.0f}, {d['supervised_rows_per_step']:.0f})")
         row("drafter", "TFLOP/s; MFU vs measured / datasheet peak",
@@ -924,14 +944,14 @@ def report(res, c) -> str:
         row("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})")
         row("pipeline", "features GB/s, MB per micro-batch", f"{p['feature_gb_s']:.1f}, "
                                                              f"{p['feature_mb_per_micro_batch']:.0f}")
-        row("pipeline", "samples/s; tokens/s" + (" (target fwd + drafter step)" if p["compute"] else
+        row("pipeline", "samples/s; tokens/s" + (f" (target fwd + drafter step, {work})" if p["compute"] else
                                                  " (transport only)"), f"{p['samples_s']:.2f}; {_k(p['tok_s'])}")
     if t and d and "error" not in t and "error" not in d:
         per_sample = d["tok_s"] / d["samples_s"]
         for n in (2, 4, 8):
             nt, nd = planner.recommend_split(t["tok_s"], d["tok_s"], n)
             rate = planner.split_rate(nt, nd, t["tok_s"], d["tok_s"])
-            row("split", f"{n} GPUs: planner.recommend_split from these rates",
+            row("split", f"{n} GPUs: planner.recommend_split from these rates ({work})",
                 f"{nt} target : {nd} drafter => {_k(rate)} tok/s, {_k(rate / n)} tok/s = "
                 f"{rate / n / per_sample:.2f} samples/s per GPU")
     for role in ("target", "drafter", "pipeline"):
@@ -1094,6 +1114,8 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, default=5, help="timed steps (micro-batches)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer (COMPILE_TARGET)")
+    ap.add_argument("--target-fp8", action="store_true", help="TARGET_FP8: the target's Linear layers in FP8")
+    ap.add_argument("--drafter-fp8", action="store_true", help="DRAFTER_FP8: the drafter's Linear layers train in FP8")
     ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
     ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],
@@ -1151,6 +1173,11 @@ def run(args) -> dict:
     if world > 1 and (not torch.cuda.is_available() or args.cpu):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))     # the two CPU ranks share the cores
     c = Context(args)
+    from model import fp8
+    errs = [e for name, flag in (("TARGET_FP8", "--target-fp8"), ("DRAFTER_FP8", "--drafter-fp8"))
+            if getattr(args, name.lower()) and (e := fp8.check(name, c.device, fix=f"leave out {flag}"))]
+    if errs:
+        sys.exit("error: " + "; ".join(errs))
     if args.write_assets:
         t0 = time.time()
         info = write_assets(args, c, Path(args.write_assets))

@@ -40,7 +40,8 @@ def test_bench_tiny_runs_end_to_end_without_datasets(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(r.stdout)
-    for line in ("| target | tokens/s (real / padded) |", "| drafter | samples/s; context tokens/s |",
+    for line in ("| target | tokens/s (real / padded) |",
+                 "| drafter | samples/s; context tokens/s (blocks per 1K tokens, per sequence) |",
                  "| drafter | **peak estimate**", "torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash"):
         assert line in r.stdout, line
     res = json.loads(out.read_text())
@@ -57,6 +58,7 @@ def test_bench_fixed_shapes_in_process(capsys):
     res = bd.main(["--shape", "tiny", "--mode", "drafter", "--steps", "2", "--warmup", "1", "--cpu"])
     d = res["drafter"]
     assert d["anchors_per_step"] == 8                                                   # MAX_ANCHORS binds
+    assert d["blocks_per_1k_tokens"] == pytest.approx(1e3 * 8 / 256) and d["blocks_per_sequence"] == 2   # 4 x 64
     assert 6 * 3 <= d["supervised_rows_per_step"] <= 8 * 3        # B-1 slots each, fewer at a sequence's end
     assert d["tok_s"] == pytest.approx(d["samples_s"] * 64)                          # 4 x 64 tokens
     assert "| drafter | ms per step" in capsys.readouterr().out
@@ -264,3 +266,27 @@ def test_format_plan():
     assert lines[1].lstrip().startswith("target") and lines[2].lstrip().startswith("drafter")
     assert "3 target : 5 drafter => 120.0K tok/s" in lines[3] and "configured 1:7" in lines[3]
     assert "GiB peak (forward)" in lines[2] and "block acts" in lines[2]
+
+
+# Peaks measured on H200s with a random Qwen3-8B (torch.cuda.max_memory_allocated; BENCHMARKS.md): what ran, GPUs
+# in the estimate, role, the config beyond bench_cfg (4 x 3072 tokens, B=16, L=5), GiB.
+REFERENCE_X2 = dict(TOKEN_BUDGET=49152, BLOCK_SIZE=32, MAX_ANCHORS=1024, GAMMA=10.0, GRAD_ACCUM=4)
+MEASURED = [
+    ("bench target, compiled layers", 2, "target", dict(COMPILE_TARGET=True), 18.01),
+    ("bench drafter, compiled layers, 512 blocks", 2, "drafter", dict(COMPILE_DRAFTER="layers"), 30.33),
+    ("bench drafter, compiled layers, 2048 blocks", 2, "drafter", dict(COMPILE_DRAFTER="layers", MAX_ANCHORS=2048),
+     48.46),
+    ("one-process trainer, compiled drafter, 2048 blocks", 1, "target+drafter",
+     dict(COMPILE_DRAFTER="layers", MAX_ANCHORS=2048), 58.57),
+    ("trainer 1 + 1, issue 5's reference config, eager: target rank", 2, "target", REFERENCE_X2, 27.29),
+    ("trainer 1 + 1, issue 5's reference config, eager: drafter rank", 2, "drafter", REFERENCE_X2, 81.09),
+]
+
+
+@pytest.mark.parametrize("what,gpus,role,cfg,gib", MEASURED, ids=[m[0] for m in MEASURED])
+def test_estimate_within_10_percent_of_the_measured_peaks(what, gpus, role, cfg, gib):
+    """Compiled drafter layers save less than eager ones (DFT_COMPILED_LAYER_SCALE): without it the estimate was
+    1.28x the measured peak at 2048 blocks; the one-process queue holds Q_HS + 2 micro-batches like a drafter
+    rank's (it counted 1)."""
+    est = planner.estimate(bench_cfg(MAX_LEN=3072, **cfg), bd.hf_config("qwen3-8b"), gpus)["roles"][role]["total"]
+    assert 0.9 <= est / (gib * GiB) <= 1.1, f"{what}: estimate {est / GiB:.2f} GiB vs measured {gib} GiB"

@@ -91,3 +91,41 @@ def test_config_with_top_level_rope_theta():
                          max_position_embeddings=512, num_hidden_layers=6, vocab_size=128)
     cfg = DrafterConfig.from_target(hf, 2, 4, 127)
     assert cfg.rope_theta == 123456.0 and cfg.rope_scaling is None
+
+
+def test_warm_up_makes_every_graph_a_feeder_thread_needs(tiny_qwen3_dir, monkeypatch):
+    """COMPILE_TARGET in the one-process mode: compile_layers + warm_up on the main thread, then the feeder thread
+    runs micro-batches of any batch size and length, padded or not, without compiling (dynamo's own backend
+    "eager" stands in for inductor, so this takes seconds: the guards, and so the graphs, are dynamo's)."""
+    import functools
+    import threading
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    ref = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=[1, 3])
+    t = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=[1, 3])
+    t.compile_layers()
+    t.warm_up(256)
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed >= 3, "the warm-up compiled static, dynamic and batch-of-one graphs"
+    g = torch.Generator().manual_seed(1)
+    got, err = [], []
+
+    def feeder():
+        try:
+            for b, S in ((1, 40), (4, 23), (2, 64), (7, 9), (1, 12), (3, 31)):
+                ids = torch.randint(0, 128, (b, S), generator=g)
+                attn = torch.ones(b, S, dtype=torch.long)
+                if b > 2:
+                    attn[1, S - 4:] = 0                           # padded; b <= 2: none (no attention mask)
+                got.append((t.features(ids, attn), ref.features(ids, attn), attn.bool()))
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            err.append(e)
+    th = threading.Thread(target=feeder)
+    th.start()
+    th.join()
+    torch._dynamo.reset()
+    assert not err, err
+    assert counters["stats"]["unique_graphs"] == warmed, "the feeder thread compiled a graph the warm-up missed"
+    for f, r, real in got:
+        torch.testing.assert_close(f[real], r[real], rtol=0, atol=0)

@@ -1,0 +1,78 @@
+"""FP8 matmuls where they are safe, through torchao (a kept library, not hand-written GEMMs): per-row scales, e4m3.
+
+TARGET_FP8: the frozen target's decoder Linear layers up to the last tapped layer run as float8 dynamic activation x
+float8 weight (`Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`): one scale per token row of the
+input and per output channel of the weight, a float8 GEMM with bf16 output. The embedding and lm_head stay bf16
+(the drafter's loss reads lm_head), and so do the layers past the last tap (never run for the features).
+
+DRAFTER_FP8: the drafter's decoder-layer Linear layers train with torchao's float8 training, rowwise recipe (the
+forward and both backward GEMMs in float8 with per-row scales; fp32 master weights as before). What stays bf16:
+- the lm_head + CE: a plain matmul of the frozen target weight in model.objective, not an nn.Linear;
+- fc: its input is the target's raw residual stream, whose massive-activation channels (10^3-10^4 x the median
+  in Qwen/Llama-style models) would set each row's scale and push the rest of the row into e4m3's subnormals;
+  it is ~1.5% of the step's FLOPs at 2048 blocks per 4 x 3072 tokens;
+- the norms, RoPE and attention (flex_attention in bf16).
+Use it with COMPILE_DRAFTER=layers: eager, the per-row scale and cast of every GEMM operand are separate kernels
+(torchao's float8 training is written for torch.compile, which fuses them into the neighbouring ops).
+
+Both need FP8 tensor cores: an SM89+ GPU (Ada, Hopper or newer). check() says so before any model loads.
+"""
+import torch
+import torch.nn as nn
+
+MIN_CAPABILITY = (8, 9)     # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+TORCHAO = "torchao==0.18.0"
+
+
+def check(name: str, device, fix: str = "") -> str | None:
+    """None when `name` (TARGET_FP8 or DRAFTER_FP8) can run on `device`, else the error line that says why and
+    what to do (`fix`, default: the trainer's --NAME=False)."""
+    device = torch.device(device)
+    off = fix or f"set --{name}=False"
+    need = f"{name} needs an SM89+ GPU (FP8 tensor cores: Ada, Hopper or newer)"
+    if device.type != "cuda":
+        return f"{need}; this run is on the {device.type}: {off}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return f"{need}; {torch.cuda.get_device_name(device)} is SM{cap[0]}{cap[1]}: {off}"
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return f"{name} needs torchao: pip install {TORCHAO} (requirements.txt), or {off}"
+    return None
+
+
+def target_linears(decoder: nn.Module, last_layer: int) -> list[str]:
+    """Names (inside `decoder`) of the nn.Linear modules of decoder layers 0..last_layer: what TARGET_FP8 quantises."""
+    keep = {f"layers.{i}" for i in range(last_layer + 1)}
+    return [n for n, m in decoder.named_modules() if isinstance(m, nn.Linear) and ".".join(n.split(".")[:2]) in keep]
+
+
+def quantize_target(target) -> int:
+    """TARGET_FP8 on a model.target.Target, in place, before Target.compile_layers (torchao's order: quantise,
+    then compile). Returns the number of Linear layers quantised."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    names = set(target_linears(target.decoder, max(target.layer_ids)))
+    quantize_(target.decoder, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda m, fqn: fqn in names)
+    return len(names)
+
+
+def drafter_linears(drafter: nn.Module) -> list[str]:
+    """Names of the drafter's nn.Linear modules DRAFTER_FP8 converts: every decoder layer's projections, not fc.
+    float8 GEMMs need both dimensions in multiples of 16 (cuBLAS); any other layer stays bf16."""
+    return [n for n, m in drafter.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")
+            and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+
+
+def convert_drafter(drafter: nn.Module, emulate: bool = False) -> int:
+    """DRAFTER_FP8 on a model.drafter.Drafter, in place, before the optimizer is built and before compile_drafter
+    (the parameters stay the same fp32 tensors; only the modules around them change). emulate: torchao's emulation
+    (float8 rounding, matmul in high precision), which runs on a CPU: tests only. Returns the number converted."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    names = set(drafter_linears(drafter))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+    convert_to_float8_training(drafter, config=config, module_filter_fn=lambda m, fqn: fqn in names)
+    return len(names)

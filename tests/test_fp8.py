@@ -1,0 +1,111 @@
+"""TARGET_FP8 / DRAFTER_FP8 on a CPU: the refusal where FP8 cannot run, which layers each converts, and the FP8
+numerics the CPU can run (torchao's per-row quantisation and torch._scaled_mm against an fp32 reference; torchao's
+float8 training in its emulation mode). The FP8 GEMM kernels themselves run only on an SM89+ GPU:
+bench/fp8_h200.py measures them there."""
+import pytest
+import torch
+
+from model import fp8
+from runs import base_args, make_dataset, make_target, run
+
+
+def needs_torchao():
+    pytest.importorskip("torchao", reason="FP8 goes through torchao (requirements.txt: torchao==0.18.0)")
+
+
+def test_fp8_needs_an_sm89_gpu(monkeypatch):
+    assert fp8.check("TARGET_FP8", "cpu") == ("TARGET_FP8 needs an SM89+ GPU (FP8 tensor cores: Ada, Hopper or "
+                                              "newer); this run is on the cpu: set --TARGET_FP8=False")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    msg = fp8.check("DRAFTER_FP8", torch.device("cuda", 0))
+    assert msg.startswith("DRAFTER_FP8 needs an SM89+ GPU") and "A100-SXM4-80GB is SM80" in msg, msg
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.check("DRAFTER_FP8", torch.device("cuda", 0)) is None
+
+
+def test_trainer_refuses_fp8_on_a_cpu_before_loading_anything(tmp_path):
+    target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
+    r = run(1, base_args(target, data, tmp_path / "out", TARGET_FP8=True, DRAFTER_FP8=True))
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "error: TARGET_FP8 needs an SM89+ GPU" in r.stderr and "DRAFTER_FP8 needs an SM89+ GPU" in r.stderr
+    assert "Traceback" not in r.stderr and "load target" not in r.stdout
+    assert not (tmp_path / "out").exists(), "nothing written"
+
+
+def test_target_fp8_takes_the_linear_layers_up_to_the_last_tap(tiny_qwen3_dir):
+    from model.target import Target
+    t = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=[1, 3])
+    names = fp8.target_linears(t.decoder, max(t.layer_ids))
+    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"]
+    assert names == [f"layers.{i}.{p}" for i in range(4) for p in per_layer]    # not 4, 5, the embedding, lm_head
+
+
+def test_rowwise_fp8_matmul_against_an_fp32_reference():
+    """torchao's per-row float8 quantisation (what Float8DynamicActivationFloat8WeightConfig(PerRow()) applies to
+    each weight and, per micro-batch, to each activation) and the scaled GEMM it calls on the GPU
+    (torch._scaled_mm: e4m3 operands, one scale per row of each, fp32 accumulation), against the same arithmetic in
+    fp32: scale = amax(|row|) / 448, round to e4m3, multiply back, matmul."""
+    needs_torchao()
+    from torchao.quantization import Float8Tensor, PerRow
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g) * 8).to(torch.bfloat16)  # [tokens, in]
+    w = (torch.randn(96, 256, generator=g) * 0.02).to(torch.bfloat16)                               # [out, in]
+    qx, qw = Float8Tensor.from_hp(x, granularity=PerRow()), Float8Tensor.from_hp(w, granularity=PerRow())
+
+    def reference(t):   # [rows, in] -> the row-scaled e4m3 values in fp32, and the scales [rows, 1]
+        scale = t.float().abs().amax(-1, keepdim=True) / 448.0
+        return (t.float() / scale).to(torch.float8_e4m3fn).float() * scale, scale
+    for t, q in ((x, qx), (w, qw)):
+        deq, scale = reference(t)
+        torch.testing.assert_close(q.scale.float(), scale, rtol=2 ** -7, atol=0)    # torchao keeps the scale
+        torch.testing.assert_close(q.qdata.float() * q.scale.float(), deq, rtol=2 ** -3, atol=0)  # within a step
+    ref = (qx.qdata.float() * qx.scale) @ (qw.qdata.float() * qw.scale).T                 # [tokens, out] fp32
+    try:
+        got = torch._scaled_mm(qx.qdata, qw.qdata.t(), scale_a=qx.scale.float(), scale_b=qw.scale.float().t(),
+                               out_dtype=torch.float32)
+    except RuntimeError as e:
+        pytest.skip(f"this torch build has no CPU torch._scaled_mm with per-row scales ({e})")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    # the price of FP8 itself, against the unquantised product: ~4% relative here, bf16 rounding ~0.2%
+    exact = x.float() @ w.float().T
+    err = ((got - exact).norm() / exact.norm()).item()
+    bf16_err = (((x @ w.T).float() - exact).norm() / exact.norm()).item()
+    assert 0.01 < err < 0.06 and bf16_err < err / 10, (err, bf16_err)
+
+
+def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_qwen3_dir):
+    """convert_drafter with torchao's emulation (float8 rounding of every GEMM operand, forward and backward, the
+    matmuls in high precision): the same parameters and checkpoint keys, fc untouched, and loss and gradients near
+    the bf16 ones but not equal to them (the conversion took effect)."""
+    needs_torchao()
+    from model.objective import weighted_ce
+    torch.manual_seed(0)
+    base = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
+    conv = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
+    params = [id(p) for p in conv.parameters()]
+    keys = list(conv.state_dict())
+    n = fp8.convert_drafter(conv, emulate=True)
+    assert n == 2 * 7 and fp8.drafter_linears(conv) == fp8.drafter_linears(base)
+    assert [id(p) for p in conv.parameters()] == params and list(conv.state_dict()) == keys
+    assert type(conv.fc) is torch.nn.Linear and type(conv.layers[0].mlp.up_proj).__name__ == "Float8Linear"
+    g = torch.Generator().manual_seed(0)
+    T, N, B, H, V = 64, 6, 4, 64, 128
+    feats = torch.randn(T, conv.config.num_taps * H, generator=g)
+    anchors = torch.arange(N) * 10 + 2
+    emb = torch.randn(N * B, H, generator=g)
+    head = torch.randn(V, H, generator=g) * 0.05
+    labels = torch.randint(0, V, (N * B,), generator=g)
+    w = torch.rand(N * B, generator=g)
+    grads = []
+    for d in (base, conv):
+        attn = d.attn_spec(anchors, torch.zeros_like(anchors), torch.zeros(T, dtype=torch.long))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = d(feats, torch.arange(T), emb, (anchors[:, None] + torch.arange(B)).flatten(), attn)
+            loss = weighted_ce(h, head, labels, w, chunk_size=16).loss_sum
+        loss.backward()
+        grads.append((loss.detach(), torch.cat([p.grad.flatten() for p in d.parameters()])))
+    (l0, g0), (l1, g1) = grads
+    rel = ((g1 - g0).norm() / g0.norm()).item()
+    assert l1 == pytest.approx(l0.item(), rel=0.02) and 0 < rel < 0.15, (l0, l1, rel)
