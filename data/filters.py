@@ -237,14 +237,12 @@ def main(argv=None) -> dict:
     stats_path = args.stats or Path(str(args.out) + ".stats.json")
     filters = Filters(heldout_prompts([HELDOUT_DEFAULT, *args.heldout]))
     stats = empty_stats()
-    try:
-        lines = args.input.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"filters: cannot read {args.input}: {e}")
+    if not args.input.is_file():
+        raise SystemExit(f"filters: no such file {args.input}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
-    with open(args.out, "w", encoding="utf-8") as out:
-        for n, line in enumerate(tqdm(lines, desc="filter", unit=" rows", mininterval=1.0), 1):
+    with open(args.input, encoding="utf-8", errors="replace") as inp, open(args.out, "w", encoding="utf-8") as out:
+        for n, line in enumerate(tqdm(inp, desc="filter", unit=" rows", mininterval=1.0), 1):  # streamed: 1M rows
             if not line.strip():
                 continue
             try:

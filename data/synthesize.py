@@ -47,10 +47,10 @@ from pathlib import Path
 
 from data import filters as F
 from data.chat import end_of_turn, render, template_hash
-from data.regenerate import read_prompts
+from data.regenerate import read_prompts, row_id
 
 ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
-CHUNK_PER_SLOT = 4       # candidates per chunk = this * --batch-size: the engine's batch stays full while the last
+CHUNK_PER_SLOT = 8       # candidates per chunk = this * --batch-size: the engine's batch stays full while the last
                          # rows of a stage finish, and a stop loses at most one chunk
 TURN_OVERHEAD = 16       # tokens a template adds around one turn (role header, end-of-turn): headroom in max_len
 SENTINEL = "Zq7 user sentinel"  # content of the probe user turn whose opening the model continues
@@ -213,10 +213,11 @@ class Synth:
         for i, ids, why in self.engine.generate(prompts, max_new_tokens=max_new, temperature=temperature,
                                                 stop_ids=self.stops, keys=[it.key() for it in items]):
             out[i] = (self.tok.decode(ids, skip_special_tokens=True).strip(), why)
-            self.tokens += len(ids) + (why == "stop")
+            self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
             if time.time() - self.last_post > 2.0:
                 self.last_post = time.time()
                 bar.set_postfix_str(f"{self.tokens / (time.time() - self.t0):,.0f} gen tok/s", refresh=False)
+        assert None not in out, f"the engine answered {len(out) - out.count(None)} of {len(out)} requests"
         for it in items:
             it.turn += 1
         return out
@@ -291,7 +292,7 @@ def read_mix(args) -> list[tuple[str, list[str]]]:
     prompts, skipped, dupes = read_prompts(args.mix, "all")
     if not prompts:
         raise SystemExit(f"synthesize: no usable prompts in --mix {args.mix} (skipped: {dict(skipped)})")
-    rows = [(str(row.get("id", n)), [m["content"] for m in asks]) for n, (row, _, asks) in enumerate(prompts)]
+    rows = [(row_id(row), [m["content"] for m in asks]) for row, _, asks in prompts]
     random.Random(args.seed).shuffle(rows)
     return rows
 
@@ -311,13 +312,19 @@ def run_config(args, tok) -> dict:
 
 
 def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
-    """-> the stats file's earlier content ({} when new); SystemExit when its settings differ from this run's."""
-    if not path.exists():
-        if have_rows:
-            raise SystemExit(f"synthesize: rows exist but {path} (which records how they were made) is missing; "
-                             f"restore it, or write to a new --out")
+    """-> the stats file's earlier content ({} when no row was written yet); SystemExit when rows exist and the
+    settings that made them differ from this run's."""
+    if not have_rows:
         return {}
-    old = json.loads(path.read_text())
+    if not path.exists():
+        raise SystemExit(f"synthesize: rows exist but {path} (which records how they were made) is missing; "
+                         f"restore it, or write to a new --out")
+    try:
+        old = json.loads(path.read_text())
+        assert isinstance(old.get("config"), dict)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"synthesize: {path} is not a stats file written by data.synthesize; restore it, or write "
+                         f"to a new --out")
     diff = [k for k in sorted(set(config) | set(old.get("config", {}))) if old["config"].get(k) != config.get(k)]
     if diff:
         said = "; ".join(f"{k}: was {old['config'].get(k)!r}, now {config.get(k)!r}" for k in diff)
@@ -366,6 +373,9 @@ def parse_args(argv):
                  "--mix-ratio 0.02) or neither")
     if not Path(args.model).is_dir():
         ap.error(f"--model {args.model} is not a model folder")
+    for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--heldout", p) for p in args.heldout]:
+        if not path.is_file():
+            ap.error(f"{name} {path}: no such file")
     return args
 
 
