@@ -472,7 +472,7 @@ def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
             need = want[s] - stats[s]["kept"]
             cap = math.ceil(args.attempts_per_row * want[s]) - nxt[s]
             tried = stats[s]["kept"] + sum(stats[s]["rejected"].values())
-            rate = (stats[s]["kept"] + 1) / (tried + 1)  # kept per candidate so far; 1 before any
+            rate = (stats[s]["kept"] + 1) / (tried + 2)  # kept per candidate so far (Laplace's rule: 1/2 before any)
             sizes[s] = max(0, min(cap, math.ceil(need / rate * 1.1))) if need > 0 else 0
         total = sum(sizes.values())
         if not total:

@@ -1,7 +1,8 @@
 """data/synthesize.py and data/filters.py: the filters count each kind of bad row; synthesize resumes into exactly the
 rows of one uninterrupted run, its decisions are those of data.filters on the same rows, and on SmolLM2 it writes
 rows that data.prepare accepts. The mechanics run on a scripted engine (text drawn from (seed, key), no model) with
-the Qwen3 tokenizer fixture; the SmolLM2 test decodes with the real model. CPU, a few seconds each."""
+the Qwen3 tokenizer fixture, a few seconds each; the SmolLM2 test runs data/engine.py on the real model (slow: about
+25 s on the CPU, `pytest -m slow tests/test_synthesize.py`)."""
 import functools
 import hashlib
 import json
@@ -270,54 +271,15 @@ def test_attempts_cap_and_changed_settings(tmp_path, qwen3_dir, scripted, capsys
 # ---------------------------------------------------------------------------------------------------------------
 # SmolLM2: the real model
 
-class HFEngine:
-    """The data.engine API over transformers' `generate` (used while data/engine.py is not there): one left-padded
-    batch, greedy over logits / T plus Gumbel noise drawn from (seed, key, position), which samples softmax(logits / T)
-    with each request's noise its own."""
-
-    def __init__(self, model, seed):
-        self.model, self.seed = model, seed
-
-    def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids, keys=None):
-        import torch
-        from transformers import LogitsProcessor, LogitsProcessorList
-        width = max(map(len, prompts))
-        seed, pad = self.seed, stop_ids[0]
-
-        class Gumbel(LogitsProcessor):
-            def __call__(self, input_ids, scores):  # scores [B, V]
-                pos = input_ids.shape[1] - width
-                noise = [torch.rand(scores.shape[1], generator=torch.Generator().manual_seed(
-                    hash((seed, k, pos)) % 2 ** 63)) for k in keys]
-                return scores / temperature - torch.log(-torch.log(torch.stack(noise).clamp_min(1e-20)))
-
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, width]
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=stop_ids, pad_token_id=pad, top_k=None,
-                                      top_p=None, temperature=None, logits_processor=LogitsProcessorList(
-                                          [Gumbel()] if temperature > 0 else []))
-        for i, row in enumerate(out[:, width:].tolist()):  # [B, new]
-            cut = next((t for t, x in enumerate(row) if x in stop_ids), None)
-            yield (i, row[:cut], "stop") if cut is not None else (i, row, "length")
-
-
-def test_smollm2_rows_prepare_accepts(tmp_path, monkeypatch):
+@pytest.mark.slow  # 20-30 s on 2 shared cores: two chunks of SmolLM2 decoding through the engine on the CPU
+def test_smollm2_rows_prepare_accepts(tmp_path):
     if not (SMOLLM2_DIR / "model.safetensors").exists():
         pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
-    try:
-        import data.engine  # noqa: F401 - the real engine when it is there
-    except ImportError:
-        def load_engine(args, max_len):
-            from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
-            return HFEngine(model, args.seed), model
-        monkeypatch.setattr(syn, "load_engine", load_engine)
     from data.prepare import prepare
     out = tmp_path / "smol.jsonl"
     stats = syn.main(["--model", str(SMOLLM2_DIR), "--num", "6", "--out", str(out), "--prompt-tokens", "40",
-                      "--max-new-tokens", "8", "--temperature", "0.6", "--device", "cpu", "--attempts-per-row", "5"])
+                      "--max-new-tokens", "8", "--temperature", "0.6", "--device", "cpu", "--attempts-per-row", "5",
+                      "--batch-size", "16"])
     rows = read_jsonl(out)
     assert len(rows) == stats["kept"] == 6 and len({r["id"] for r in rows}) == 6
     assert len({F.normalize(r["messages"][0]["content"]) for r in rows}) == 6
