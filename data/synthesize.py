@@ -42,7 +42,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from data import filters as F
@@ -177,7 +177,7 @@ def file_hash(path: Path) -> str:
 @dataclass
 class Item:
     """A candidate row in flight. steps: what it still needs, in order: "write" (the model writes a user turn),
-    "answer", or a given user turn's text (mix rows)."""
+    "answer", or ("ask", text): a given user turn (mix rows)."""
     stream: str
     index: int
     row: dict
@@ -191,6 +191,8 @@ class Item:
 
 
 class Synth:
+    """Candidates -> engine requests, stage by stage, with the filters between the stages."""
+
     def __init__(self, engine, tok, stops, filters, args, mix_prompts):
         self.engine, self.tok, self.stops, self.filters, self.args = engine, tok, stops, filters, args
         self.mix_prompts = mix_prompts  # [(prompt id, [user texts])], in the seeded shuffled order
@@ -205,7 +207,7 @@ class Synth:
             return Item(stream, index, row, ["write", "answer"] * self.args.turns)
         pid, users = self.mix_prompts[index % len(self.mix_prompts)]
         row["prompt_id"] = pid
-        return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (u, "answer")])
+        return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (("ask", u), "answer")])
 
     def _generate(self, items, prompts, max_new, temperature, bar):
         """-> per item (text, finish_reason); the engine works through them in its own order."""
@@ -222,14 +224,14 @@ class Synth:
             it.turn += 1
         return out
 
-    def run_chunk(self, items: list[Item], bar) -> list[Item]:
-        """Generate every item to its end or its rejection; -> the items, each with `row` and `reason` set."""
+    def run_chunk(self, items: list[Item], bar):
+        """Generate every item to its end or its rejection: each leaves with its `row`, and `reason` if rejected."""
         a = self.args
         live = items
         while live:
             for it in live:  # given user turns (mix rows) join the conversation without generation
-                if it.steps and it.steps[0] != "write" and it.steps[0] != "answer":
-                    it.row["messages"].append({"role": "user", "content": it.steps.pop(0)})
+                if isinstance(it.steps[0], tuple):
+                    it.row["messages"].append({"role": "user", "content": it.steps.pop(0)[1]})
                     it.fresh_user = True
             writers = [it for it in live if it.steps[0] == "write"]
             if writers:
@@ -254,7 +256,6 @@ class Synth:
                 for it in answerers:
                     it.reason = self.filters.rest_reason(it.row)
             live = [it for it in live if not it.reason and it.steps]
-        return items
 
     def check(self, items):
         """The checks of the user turns just added, in index order: an opener is admitted to the duplicate index
