@@ -155,11 +155,11 @@ class Sink:
 
 
 def rejected_path(out: Path) -> Path:
-    return Path(str(out) + ".rejected.jsonl") if out.suffix != ".jsonl" else out.with_suffix(".rejected.jsonl")
+    return Path(str(out) + ".rejected.jsonl")  # beside OUT, as data.regenerate's OUT.errors.jsonl
 
 
 def stats_path(out: Path) -> Path:
-    return out.with_suffix(".stats.json") if out.suffix == ".jsonl" else Path(str(out) + ".stats.json")
+    return Path(str(out) + ".stats.json")
 
 
 def write_json(path: Path, obj):
@@ -326,12 +326,13 @@ def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
     except (ValueError, AssertionError):
         raise SystemExit(f"synthesize: {path} is not a stats file written by data.synthesize; restore it, or write "
                          f"to a new --out")
-    diff = [k for k in sorted(set(config) | set(old.get("config", {}))) if old["config"].get(k) != config.get(k)]
+    was = old["config"]
+    diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
     if diff:
-        said = "; ".join(f"{k}: was {old['config'].get(k)!r}, now {config.get(k)!r}" for k in diff)
-        raise SystemExit(f"synthesize: cannot resume {path.with_suffix('')}: settings differ ({said}). Rows made "
-                         f"with other settings would not match the ones written: use the earlier settings, or a "
-                         f"new --out")
+        said = "; ".join(f"{k}: was {was.get(k)!r}, now {config.get(k)!r}" for k in diff)
+        raise SystemExit(f"synthesize: cannot resume {str(path).removesuffix('.stats.json')}: settings differ "
+                         f"({said}). Rows made with other settings would not match the ones written: use the earlier "
+                         f"settings, or a new --out")
     return old
 
 
