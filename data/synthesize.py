@@ -278,7 +278,10 @@ def load_engine(args, max_len):
     """-> (engine, model); the model is only read for its generation config (tests replace this)."""
     from data.engine import Engine, load_model
     model, _ = load_model(args.model, device=args.device, dtype=args.dtype)  # the tokenizer is load_tokenizer's
-    return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed), model
+    try:
+        return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed), model
+    except ValueError as e:  # a model the engine does not run
+        raise SystemExit(f"synthesize: {e}")
 
 
 def load_tokenizer(path):
@@ -446,7 +449,7 @@ def main(argv=None) -> dict:
             if want[s] or stats[s]["kept"]:
                 print(f"synthesize: {s}: {F.format_stats(stats[s])}")
         print(f"synthesize: wrote {n_written:,} rows to {args.out} in {wall:,.1f} s: {n_written / wall:,.2f} conv/s, "
-              f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected candidates included; "
+              f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates too; "
               f"{time.time() - t_start:,.1f} s with loading)")
     else:
         print(f"synthesize: nothing to do ({kept0:,} rows >= {args.num:,})")
