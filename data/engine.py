@@ -1,0 +1,365 @@
+"""A throughput generation engine: continuous batching over a loaded HF causal LM's own submodules.
+
+    model, tok = load_model(path)                       # bf16 on CUDA, fp32 on CPU
+    engine = Engine(model, max_batch=auto_slots(model, 2048), max_len=2048)
+    for i, ids, why in engine.generate(prompts, max_new_tokens=512, stop_ids=default_stop_ids(model, tok)):
+        ...                                              # in completion order; why is "stop" or "length"
+
+How it works. Each of `max_batch` slots holds one request: its KV cache rows ([slots, kv_heads, max_len, head_dim]
+per layer, model dtype), its position, its token count. Requests are admitted longest prompt first (the longest
+contexts are placed while every slot is free; the end of the run, when slots drain, holds the short ones), several
+at once in one right-padded prefill that writes their KV into their slots. Every live slot then decodes together:
+one step is q_len 1 per slot, attention over the slot's cache under a mask from its position, a cache write by
+index (static shapes), sampling, stop checks, all on the GPU. The step is one CUDA graph per cache-length bucket
+(so short contexts don't read all of max_len), replayed SYNC_EVERY times between host syncs; at a sync finished
+slots are read back and, once enough are free, refilled. The model's own Linear / RMSNorm / MLP modules, its
+rotary embedding module and its modeling file's `apply_rotary_pos_emb` do the maths, so outputs are the model's.
+"""
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # model_types whose decoder layer is exactly norm-attn-norm-mlp
+SYNC_EVERY = 16           # decode steps launched between host syncs; a finished slot idles at most this many steps
+REFILL_FRACTION = 1 / 8   # refill once this fraction of the slots is free (a prefill costs ~as much as a few steps)
+PREFILL_TOKENS = 16384    # padded prompt tokens per prefill forward (bounds its activation memory)
+CACHE_BUCKETS = 8         # cache-length buckets (one CUDA graph each) between 0 and max_len
+MAX_AUTO_SLOTS = 1024     # auto_slots' ceiling: past it a step is compute-bound and latency only grows
+CPU_SLOTS = 16            # auto_slots on a CPU
+
+M32 = 0xFFFFFFFF
+
+
+# --- loading ---------------------------------------------------------------------------------------------------------
+
+def load_model(path, device="auto", dtype="auto"):
+    """-> (model, tokenizer) from a local HF folder. dtype "auto": bfloat16 on CUDA, float32 on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path).expanduser()
+    if not (path / "config.json").exists():
+        raise SystemExit(f"engine: {path} has no config.json: pass a local HF model folder")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval().requires_grad_(False), tok
+
+
+def default_stop_ids(model, tokenizer) -> list[int]:
+    """The generation config's eos ids (Qwen3: <|im_end|> and <|endoftext|>) and the tokenizer's eos."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
+def auto_slots(model, max_len: int) -> int:
+    """Slots whose KV cache (and the step's [slots, vocab] logits and sampler temporaries) fit in 90% of the free GPU
+    memory, after a reserve for prefill activations; a multiple of 8, at most MAX_AUTO_SLOTS. Printed once."""
+    if model.device.type != "cuda":
+        return CPU_SLOTS
+    cfg = model.config.get_text_config()
+    free = torch.cuda.mem_get_info(model.device)[0]
+    per_token = kv_bytes_per_token(model)
+    per_slot = per_token * max_len + 8 * (max_len + 1) + 32 * cfg.vocab_size
+    reserve = PREFILL_TOKENS * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * model.dtype.itemsize + 2 ** 30
+    slots = int(max(0.9 * free - reserve, 0) // per_slot) // 8 * 8
+    slots = max(1, min(slots, MAX_AUTO_SLOTS))
+    print(f"engine: {slots} slots x {max_len} tokens (KV {per_token / 2 ** 10:.0f} KiB/token, "
+          f"{slots * max_len * per_token / 2 ** 30:.1f} GiB) of {free / 2 ** 30:.1f} GiB free")
+    return slots
+
+
+# --- sampling --------------------------------------------------------------------------------------------------------
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xorshift-multiply, Hash Prospector's [15 2c1b3c6d 12 297a2d39 15]) on int64
+    tensors holding values < 2**32. Both multipliers are < 2**31, so products fit in int64 and never overflow."""
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & M32
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & M32
+    return x ^ (x >> 15)
+
+
+def _fold(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Hash of (h, v) for 32-bit hashes h and int64 values v >= 0 (both halves of v)."""
+    return _mix32(_mix32(h ^ (v & M32)) ^ (v >> 32))
+
+
+def key_hash(seed: int, keys, device="cpu") -> torch.Tensor:
+    """-> [n] 32-bit hashes of (seed, key), the per-request part of the sampling noise."""
+    k = torch.as_tensor(keys, dtype=torch.long, device=device)
+    return _fold(_fold(torch.full_like(k, 0x9E3779B9), torch.full_like(k, seed)), k)
+
+
+def gumbel_argmax(scaled: torch.Tensor, row_hash: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """scaled [n, V] float32 (logits / T), row_hash [n], vocab_hash [V] -> [n] token ids drawn from softmax(scaled).
+
+    Gumbel-max: argmax(scaled + G) with G = -log(-log(U)) iid per entry is an exact draw from the softmax. U comes
+    from a counter-based hash of (seed, request key, position, token id) instead of an RNG stream, so a request's
+    draw depends only on its own logits and that key: not on which requests share its batch, which slot it got, or
+    whether the run was resumed. U = (23 hash bits + 0.5) / 2**23 lies strictly inside (0, 1), so G is finite."""
+    x = _mix32(row_hash[:, None] ^ vocab_hash[None, :])               # [n, V]
+    u = ((x >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+    return (scaled - torch.log(-torch.log(u))).argmax(-1)
+
+
+# --- the engine ------------------------------------------------------------------------------------------------------
+
+class Engine:
+    """Continuous-batching greedy / sampled decoding of a Llama / Mistral / Qwen2 / Qwen3 causal LM (see the module
+    docstring). `stats` accumulates over generate calls: prompts, generated (tokens, stop tokens included),
+    seconds (wall), decode_steps, prefill_tokens."""
+
+    def __init__(self, model, *, max_batch=256, max_len=2048, cuda_graphs=None, seed=0):
+        cfg = model.config.get_text_config()
+        self.decoder = model.get_decoder()
+        self.layers = list(self.decoder.layers)
+        attn = self.layers[0].self_attn
+        check_supported(cfg, attn, self.decoder.rotary_emb, max_len)
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.n_kv, self.head_dim = cfg.num_key_value_heads, attn.head_dim
+        self.group = cfg.num_attention_heads // self.n_kv      # query heads per KV head
+        self.S, self.max_len, self.seed = max_batch, max_len, seed
+        dev, dt = self.embed.weight.device, self.embed.weight.dtype
+        S, V = max_batch, self.lm_head.out_features
+        self.cache = [(torch.zeros(S, self.n_kv, max_len, self.head_dim, dtype=dt, device=dev),
+                       torch.zeros(S, self.n_kv, max_len, self.head_dim, dtype=dt, device=dev)) for _ in self.layers]
+        with torch.no_grad():
+            cos, sin = self.decoder.rotary_emb(self.embed.weight[:1], torch.arange(max_len, device=dev)[None])
+        self.cos, self.sin = cos[0], sin[0]                     # [max_len, head_dim], the model's own RoPE values
+        # per-slot state: static buffers that the decode step (and its CUDA graphs) read and update in place
+        z = dict(dtype=torch.long, device=dev)
+        self.tokens, self.pos, self.ngen = torch.zeros(S, **z), torch.zeros(S, **z), torch.zeros(S, **z)
+        self.max_new, self.khash = torch.zeros(S, **z), torch.zeros(S, **z)
+        self.active = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.seq = torch.zeros(S, max_len + 1, **z)             # prompt + generated ids; the last column is a sink
+        self.slot_ids, self.positions = torch.arange(S, device=dev), torch.arange(max_len, device=dev)
+        self.is_stop = torch.zeros(V, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones((), device=dev)
+        self.vocab_hash = _mix32(torch.arange(V, device=dev))
+        step = -(-max_len // CACHE_BUCKETS // 16) * 16
+        self.buckets = sorted({min(max_len, b) for b in range(step, max_len + step, step)})
+        self.cuda_graphs = dev.type == "cuda" and cuda_graphs is not False
+        self.graphs, self.pool = {}, None
+        self.stats = dict(prompts=0, generated=0, seconds=0.0, decode_steps=0, prefill_tokens=0)
+
+    def check_prompt(self, n_tokens: int, max_new: int) -> None:
+        if n_tokens + max_new > self.max_len:
+            raise ValueError(f"a prompt of {n_tokens} tokens + {max_new} new tokens exceeds the engine's max_len "
+                             f"{self.max_len}: raise --max-len (or lower --max-new-tokens)")
+
+    # --- the model, layer by layer -----------------------------------------------------------------------------------
+
+    def _qkv(self, attn, h, cos, sin):
+        """h [b, s, H] -> q [b, heads, s, D], k and v [b, kv_heads, s, D], with the model's q/k norms and RoPE."""
+        b, s, _ = h.shape
+        q = attn.q_proj(h).view(b, s, -1, self.head_dim)
+        k = attn.k_proj(h).view(b, s, -1, self.head_dim)
+        v = attn.v_proj(h).view(b, s, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):                             # Qwen3: RMSNorm over head_dim before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def _logits(self, h):
+        """h [n, H] -> [n, V] float32: lm_head in the model dtype, then float, as HF generate does."""
+        return self.lm_head(self.decoder.norm(h)).float()
+
+    def _sample(self, logits, greedy, khash, pos):
+        """-> [n] next ids; pos [n] is the position the new token takes (part of its noise's key)."""
+        if greedy:
+            return logits.argmax(-1)                            # ties -> lowest id, as torch.argmax
+        return gumbel_argmax(logits / self.temperature, _fold(khash, pos), self.vocab_hash)
+
+    def _prefill(self, slots, prompts, max_new, keys, greedy):
+        """Run right-padded prompts, write their KV into `slots`, sample each one's first token, arm the slots."""
+        n, P = len(prompts), max(len(p) for p in prompts)
+        lens = [len(p) for p in prompts]
+        ids = self._h2d([p + [0] * (P - len(p)) for p in prompts])             # [n, P]
+        sl, ln, mx = self._h2d(slots), self._h2d(lens), self._h2d(max_new)
+        x = self.embed(ids)                                                     # [n, P, H]
+        cos, sin = self.cos[None, :P], self.sin[None, :P]
+        for layer, (kc, vc) in zip(self.layers, self.cache):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
+            kc[sl, :, :P], vc[sl, :, :P] = k, v
+            # right padding + causal: a real token never sees a pad; the pads' own rows are ignored
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, P, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self._logits(x[torch.arange(n, device=x.device), ln - 1])   # [n, V]
+        kh = key_hash(self.seed, self._h2d(keys))
+        first = self._sample(logits, greedy, kh, ln)
+        self.tokens[sl], self.pos[sl], self.seq[sl, ln] = first, ln, first
+        self.ngen[sl], self.max_new[sl], self.khash[sl] = 1, mx, kh
+        self.active[sl] = ~(self.is_stop[first] | (mx <= 1))
+        self.stats["prefill_tokens"] += sum(lens)
+
+    def _step(self, L, greedy):
+        """One decode step of every slot over cache positions [0, L): static shapes, no host sync (graph-safe).
+        Idle and finished slots run too, masked out of every state update."""
+        S = self.S
+        x = self.embed(self.tokens)[:, None]                                    # [S, 1, H]
+        cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]     # [S, 1, D]
+        mask = (self.positions[:L] <= self.pos[:, None])[:, None, None]         # [S, 1, 1, L]
+        for layer, (kc, vc) in zip(self.layers, self.cache):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)       # q [S, heads, 1, D]
+            kc[self.slot_ids, :, self.pos], vc[self.slot_ids, :, self.pos] = k[:, :, 0], v[:, :, 0]
+            # GQA without repeating the cache: a KV head's `group` query heads are its `group` queries
+            q = q.reshape(S, self.n_kv, self.group, self.head_dim)              # [S, kv_heads, group, D]
+            o = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=attn.scaling)
+            x = x + attn.o_proj(o.reshape(S, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        nxt = self._sample(self._logits(x[:, 0]), greedy, self.khash, self.pos + 1)
+        live = self.active
+        nxt = torch.where(live, nxt, self.tokens)
+        self.seq[self.slot_ids, torch.where(live, self.pos + 1, self.max_len)] = nxt
+        self.ngen += live
+        done = self.is_stop[nxt] | (self.ngen >= self.max_new)
+        self.tokens.copy_(nxt)
+        self.pos += live
+        self.active &= ~done
+
+    def _capture(self, greedy):
+        """One CUDA graph per bucket, largest first, sharing one memory pool (graphs never run concurrently and
+        keep nothing in the pool between replays). Only while every slot is idle: the warm-up steps then change no
+        state (idle slots write KV and ids only where nothing live reads)."""
+        for L in reversed(self.buckets):
+            if (L, greedy) in self.graphs:
+                continue
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(L, greedy)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self._step(L, greedy)
+            self.pool = self.pool or g.pool()
+            self.graphs[L, greedy] = g
+
+    def _launch(self, L, greedy, steps):
+        for _ in range(steps):
+            if self.cuda_graphs:
+                self.graphs[L, greedy].replay()
+            else:
+                self._step(L, greedy)
+        self.stats["decode_steps"] += steps
+
+    def _h2d(self, data):
+        t = torch.tensor(data, dtype=torch.long)
+        if self.seq.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.seq.device, non_blocking=True)  # queued behind the running steps, no sync
+
+    # --- the loop ----------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids, keys=None):
+        """prompts: list[list[int]]; max_new_tokens: int or list[int]; keys: per-prompt int keys (0 <= key < 2**63)
+        of the sampling noise (default: the index). Yields (index, generated_ids, "stop" | "length") in completion
+        order; a stop id ends a request and is not returned. ValueError for a prompt that does not fit max_len."""
+        n = len(prompts)
+        max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        keys = list(range(n)) if keys is None else list(keys)
+        if len(max_new) != n or len(keys) != n:
+            raise ValueError(f"{n} prompts but {len(max_new)} max_new_tokens and {len(keys)} keys")
+        for i, (p, m) in enumerate(zip(prompts, max_new)):
+            if not p or m < 1:
+                raise ValueError(f"prompt {i}: {len(p)} tokens and max_new_tokens {m}; both must be >= 1")
+            self.check_prompt(len(p), m)
+        if temperature < 0:
+            raise ValueError(f"temperature {temperature} < 0")
+        greedy = temperature == 0
+        stops = set(stop_ids)
+        if any(not 0 <= t < len(self.is_stop) for t in stops):
+            raise ValueError(f"stop_ids {sorted(stops)} are not all ids of the {len(self.is_stop)}-token vocabulary")
+        self.is_stop.zero_()
+        if stops:
+            self.is_stop[self._h2d(sorted(stops))] = True
+        self.temperature.fill_(temperature or 1.0)
+        self.active.zero_()                      # slots a previous, abandoned generate left live are free again
+        if self.cuda_graphs:
+            self._capture(greedy)
+        t0, queue, finished = time.perf_counter(), deque(sorted(range(n), key=lambda i: -len(prompts[i]))), []
+        owner = [-1] * self.S                    # request index per slot
+        reach = [0] * self.S                     # an upper bound on the slot's position after the steps launched
+        refill = max(1, int(self.S * REFILL_FRACTION))
+        while queue or any(o >= 0 for o in owner):
+            free = [s for s in range(self.S) if owner[s] < 0]
+            if queue and len(free) >= min(len(queue), refill):
+                self._admit(free, queue, prompts, max_new, keys, greedy, owner, reach)
+            need = max(min(reach[s] + SYNC_EVERY, len(prompts[o]) + max_new[o]) for s, o in enumerate(owner) if o >= 0)
+            self._launch(next(b for b in self.buckets if b >= need), greedy, SYNC_EVERY)
+            reach = [r + SYNC_EVERY for r in reach]
+            yield from finished                  # the consumer works while the GPU runs the steps just launched
+            live, ngen = torch.stack([self.active.long(), self.ngen]).cpu().tolist()
+            done = [s for s in range(self.S) if owner[s] >= 0 and not live[s]]
+            finished = self._collect(done, owner, ngen, prompts, stops)
+        yield from finished
+        self.stats["seconds"] += time.perf_counter() - t0
+
+    def _admit(self, free, queue, prompts, max_new, keys, greedy, owner, reach):
+        """Prefill the next requests (longest first) into free slots, in forwards of at most PREFILL_TOKENS."""
+        take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        start = 0
+        while start < len(take):
+            width = len(prompts[take[start]])   # the longest of this chunk, since the queue is longest first
+            end = min(len(take), start + max(1, PREFILL_TOKENS // width))
+            chunk, slots = take[start:end], free[start:end]
+            self._prefill(slots, [prompts[i] for i in chunk], [max_new[i] for i in chunk], [keys[i] for i in chunk],
+                          greedy)
+            for s, i in zip(slots, chunk):
+                owner[s], reach[s] = i, len(prompts[i])
+            start = end
+
+    def _collect(self, done, owner, ngen, prompts, stops):
+        """Read finished slots' ids back, free the slots -> [(index, ids, reason)]."""
+        if not done:
+            return []
+        width = max(len(prompts[owner[s]]) + ngen[s] for s in done)
+        rows = self.seq[torch.tensor(done, device=self.seq.device), :width].cpu().tolist()
+        out = []
+        for s, row in zip(done, rows):
+            i, P = owner[s], len(prompts[owner[s]])
+            ids = row[P:P + ngen[s]]
+            stopped = ids[-1] in stops
+            out.append((i, ids[:-1] if stopped else ids, "stop" if stopped else "length"))
+            self.stats["prompts"] += 1
+            self.stats["generated"] += ngen[s]
+            owner[s] = -1
+        return out
+
+
+def check_supported(cfg, attn, rotary, max_len):
+    """The engine re-implements the decoder layer's wiring: refuse models whose wiring or RoPE differs."""
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"engine: model_type {cfg.model_type!r} is not one of {SUPPORTED} (their decoder layers are "
+                         f"what the engine runs): use --engine hf")
+    window = getattr(attn, "sliding_window", getattr(cfg, "sliding_window", None))
+    if window is not None and window < max_len:
+        raise ValueError(f"engine: {cfg.model_type} uses sliding-window attention ({window} tokens) and max_len "
+                         f"{max_len} exceeds it; the engine attends to the whole cache: lower --max-len to {window}")
+    rope_type = getattr(rotary, "rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        raise ValueError(f"engine: rope_type {rope_type!r} changes with the sequence length; the engine "
+                         f"precomputes one table: use --engine hf")

@@ -1,0 +1,503 @@
+"""The target writes the prompts too: conversations from nothing but its chat template (the "Magpie" technique).
+
+    python -m data.synthesize --model PATH --num N --out FILE.jsonl [--seed S] [--turns 1|2] [--system TEXT]
+        [--mix data/default/train_prompts.jsonl --mix-ratio 0.02] [--max-new-tokens 384] [--prompt-tokens 128]
+        [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--device auto] [--dtype auto]
+
+An instruction-tuned model given only its template's opening of a user turn (`<|im_start|>user\\n` after the default
+system turn; found by rendering a sentinel user message and taking the text before it) writes a plausible user
+message, up to its end-of-turn token or --prompt-tokens (then the message is cut: the row is rejected). The target
+then answers it, as data.regenerate would. --turns 2 continues the trick: the model writes a follow-up user turn
+after its own answer, then answers that. --system TEXT replaces the template's default system turn (and is kept in
+the rows, so training sees the context the answers were written in).
+
+Two streams of rows, each numbered from 0 by its candidates: `self/<i>` (self-written) and, with --mix, `mix/<j>`:
+draw j answers the prompt perm[j % M] of the M prompts of the mix file (perm: a shuffle seeded by --seed; the
+prompt's own id is kept as `prompt_id`, its first --turns user turns are answered). round(N * mix_ratio) of the N
+rows come from the mix stream, the rest from the self stream. The mix file's repeats are kept (the shipped sets
+repeat questions on purpose), so mix rows skip the duplicate checks; every other filter applies (data/filters.py).
+
+Output rows are what data.prepare reads: {"id", "source": "self"|"mix:<file>", "messages", "finish_reasons" (one
+per answer: "stop" or "length"), "user_finish_reasons" (self-written user turns, always "stop" when kept)}.
+Rejected candidates go to OUT.rejected.jsonl with their reason; counts by reason to OUT.stats.json.
+
+Seeded and resumable: a candidate's sampling keys depend only on (--seed, stream, index, turn), and a candidate is
+judged only against those before it, so rows are the same however a run is cut into pieces. A run stopped part-way
+and restarted (with the same or a larger --num) reads back OUT and OUT.rejected.jsonl, rebuilds the filter state
+from them in index order, and goes on from the next index of each stream. Candidates are generated in chunks of
+CHUNK_PER_SLOT * --batch-size and written (flushed, fsynced) at the end of each chunk in index order; a stop loses
+at most the chunk in flight. A torn last line (it does not parse) is dropped; a complete last line that only lacks
+its newline is kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
+mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
+--batch-size, --device and --dtype may change (a bf16 run samples slightly different rows than an fp32 one).
+
+A stream that has tried ATTEMPTS_PER_ROW (--attempts-per-row) candidates per row it must supply stops there, short,
+with the reasons printed: more attempts would not help a model whose prompts the filters keep rejecting.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from data import filters as F
+from data.chat import end_of_turn, render, template_hash
+from data.regenerate import read_prompts, row_id
+
+ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
+CHUNK_PER_SLOT = 8       # candidates per chunk = this * --batch-size: the engine's batch stays full while the last
+                         # rows of a stage finish, and a stop loses at most one chunk
+TURN_OVERHEAD = 16       # tokens a template adds around one turn (role header, end-of-turn): headroom in max_len
+SENTINEL = "Zq7 user sentinel"  # content of the probe user turn whose opening the model continues
+STREAMS = ("self", "mix")
+
+
+# --- the template ---------------------------------------------------------------------------------------------------
+
+def user_opening(tok, history: list[dict]) -> str:
+    """The rendered text of `history` followed by the opening of a new user turn (the template's default system
+    turn first when `history` has none): what the model continues to write a user message."""
+    text = render(tok, history + [{"role": "user", "content": SENTINEL}])
+    if SENTINEL not in text:
+        raise SystemExit("synthesize: the chat template does not render user content; cannot open a user turn")
+    return text[:text.index(SENTINEL)]
+
+
+def stop_ids(tok, model) -> list[int]:
+    """Tokens that end a turn: the template's end-of-turn after a user and after an assistant message (when each is
+    one token) and the eos ids of the tokenizer and the model's generation config."""
+    ids = set()
+    user = render(tok, [{"role": "user", "content": SENTINEL}])
+    for text in (user[user.index(SENTINEL) + len(SENTINEL):].strip(), end_of_turn(tok)):
+        enc = tok.encode(text, add_special_tokens=False) if text else []
+        if len(enc) == 1:
+            ids.add(enc[0])
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for e in (eos if isinstance(eos, list) else [eos]) + [tok.eos_token_id]:
+        if e is not None:
+            ids.add(int(e))
+    if not ids:
+        raise SystemExit("synthesize: found no end-of-turn or eos token to stop generation at")
+    return sorted(ids)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]  # the rendered template carries its own specials
+
+
+def sample_key(stream: str, index: int, turn: int) -> int:
+    """The engine's noise key of one generation: with the engine's seed, the sample depends on nothing else."""
+    digest = hashlib.blake2b(f"{stream}/{index}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits: room for the engine's own arithmetic on it
+
+
+# --- files ----------------------------------------------------------------------------------------------------------
+
+def read_back(path: Path) -> list[dict]:
+    """Rows already written. A torn last line (it does not parse) is cut off; a complete one that only lacks its
+    newline gets it, so appends stay valid JSONL. A bad line before the last is an error, not cut (rows after it
+    would go too)."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            stream_of(row)
+        except (ValueError, TypeError, AttributeError) as e:
+            if n < len(lines):
+                raise SystemExit(f"synthesize: {path}:{n} is not a finished row ({e}); only a torn last line is "
+                                 f"repaired by itself: fix or remove this one")
+            print(f"synthesize: dropping a torn last line of {path} ({len(line)} bytes)", file=sys.stderr)
+            with open(path, "r+b") as f:
+                f.truncate(len(data) - len(line))
+            return rows
+        rows.append(row)
+    if lines[-1].strip():  # complete, without its newline
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return rows
+
+
+def stream_of(row: dict) -> tuple[str, int]:
+    stream, index = row["id"].split("/")
+    if stream not in STREAMS:
+        raise ValueError(f"id {row['id']!r} is not self/<i> or mix/<j>")
+    return stream, int(index)
+
+
+class Sink:
+    """Appends kept and rejected rows; flush + fsync per write so a stop loses nothing written."""
+
+    def __init__(self, out: Path):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.kept = open(out, "a", encoding="utf-8")
+        self.rejected = open(rejected_path(out), "a", encoding="utf-8")
+
+    def write(self, row: dict, reason):
+        f = self.rejected if reason else self.kept
+        f.write(json.dumps({**row, "rejected": reason} if reason else row, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+    def close(self):
+        self.kept.close()
+        self.rejected.close()
+
+
+def rejected_path(out: Path) -> Path:
+    return Path(str(out) + ".rejected.jsonl")  # beside OUT, as data.regenerate's OUT.errors.jsonl
+
+
+def stats_path(out: Path) -> Path:
+    return Path(str(out) + ".stats.json")
+
+
+def write_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# --- one candidate --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Item:
+    """A candidate row in flight. steps: what it still needs, in order: "write" (the model writes a user turn),
+    "answer", or ("ask", text): a given user turn (mix rows)."""
+    stream: str
+    index: int
+    row: dict
+    steps: list
+    turn: int = 0                 # generations done: the key of the next one
+    reason: str | None = None     # set when rejected
+    fresh_user: bool = False      # a user turn was added this round: check it
+
+    def key(self) -> int:
+        return sample_key(self.stream, self.index, self.turn)
+
+
+class Synth:
+    """Candidates -> engine requests, stage by stage, with the filters between the stages."""
+
+    def __init__(self, engine, tok, stops, filters, args, mix_prompts):
+        self.engine, self.tok, self.stops, self.filters, self.args = engine, tok, stops, filters, args
+        self.mix_prompts = mix_prompts  # [(prompt id, [user texts])], in the seeded shuffled order
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.tokens, self.t0, self.last_post = 0, time.time(), 0.0
+
+    def new_item(self, stream: str, index: int) -> Item:
+        row = {"id": f"{stream}/{index}", "source": "self" if stream == "self" else f"mix:{self.args.mix}",
+               "messages": list(self.system), "finish_reasons": []}
+        if stream == "self":
+            row["user_finish_reasons"] = []
+            return Item(stream, index, row, ["write", "answer"] * self.args.turns)
+        pid, users = self.mix_prompts[index % len(self.mix_prompts)]
+        row["prompt_id"] = pid
+        return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (("ask", u), "answer")])
+
+    def _generate(self, items, prompts, max_new, temperature, bar):
+        """-> per item (text, finish_reason); the engine works through them in its own order."""
+        out = [None] * len(items)
+        for i, ids, why in self.engine.generate(prompts, max_new_tokens=max_new, temperature=temperature,
+                                                stop_ids=self.stops, keys=[it.key() for it in items]):
+            out[i] = (self.tok.decode(ids, skip_special_tokens=True).strip(), why)
+            self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
+            if time.time() - self.last_post > 2.0:
+                self.last_post = time.time()
+                bar.set_postfix_str(f"{self.tokens / (time.time() - self.t0):,.0f} gen tok/s", refresh=False)
+        assert None not in out, f"the engine answered {len(out) - out.count(None)} of {len(out)} requests"
+        for it in items:
+            it.turn += 1
+        return out
+
+    def run_chunk(self, items: list[Item], bar):
+        """Generate every item to its end or its rejection: each leaves with its `row`, and `reason` if rejected."""
+        a = self.args
+        live = items
+        while live:
+            for it in live:  # given user turns (mix rows) join the conversation without generation
+                if isinstance(it.steps[0], tuple):
+                    it.row["messages"].append({"role": "user", "content": it.steps.pop(0)[1]})
+                    it.fresh_user = True
+            writers = [it for it in live if it.steps[0] == "write"]
+            if writers:
+                prompts = [encode(self.tok, user_opening(self.tok, it.row["messages"])) for it in writers]
+                for it, (text, why) in zip(writers, self._generate(writers, prompts, a.prompt_tokens,
+                                                                   a.prompt_temperature, bar)):
+                    it.row["messages"].append({"role": "user", "content": text})
+                    it.row["user_finish_reasons"].append(why)
+                    it.steps.pop(0)
+                    it.fresh_user = True
+            self.check(live)  # before the answers are paid for
+            live = [it for it in live if not it.reason]
+            answerers = [it for it in live if it.steps and it.steps[0] == "answer"]
+            if answerers:
+                prompts = [encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True))
+                           for it in answerers]
+                for it, (text, why) in zip(answerers, self._generate(answerers, prompts, a.max_new_tokens,
+                                                                     a.temperature, bar)):
+                    it.row["messages"].append({"role": "assistant", "content": text})
+                    it.row["finish_reasons"].append(why)
+                    it.steps.pop(0)
+                for it in answerers:
+                    it.reason = self.filters.rest_reason(it.row)
+            live = [it for it in live if not it.reason and it.steps]
+
+    def check(self, items):
+        """The checks of the user turns just added, in index order: an opener is admitted to the duplicate index
+        before the next candidate's opener is judged, whatever the chunking."""
+        for it in sorted(items, key=lambda it: (it.stream, it.index)):
+            if not it.fresh_user:
+                continue
+            it.fresh_user = False
+            if len(F.user_turns(it.row)) == 1:
+                it.reason = self.filters.opener_reason(it.row, dedup=it.stream == "self")
+                if not it.reason and it.stream == "self":
+                    self.filters.admit(it.row)
+            else:
+                it.reason = self.filters.rest_reason(it.row)
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+
+def load_engine(args, max_len):
+    """-> (engine, model); the model is only read for its generation config (tests replace this)."""
+    from data.engine import Engine, load_model
+    model, _ = load_model(args.model, device=args.device, dtype=args.dtype)  # the tokenizer is load_tokenizer's
+    try:
+        return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed), model
+    except ValueError as e:  # a model the engine does not run
+        raise SystemExit(f"synthesize: {e}")
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"synthesize: cannot load the tokenizer of --model {path}: {e}")
+
+
+def read_mix(args) -> list[tuple[str, list[str]]]:
+    prompts, skipped, dupes = read_prompts(args.mix, "all")
+    if not prompts:
+        raise SystemExit(f"synthesize: no usable prompts in --mix {args.mix} (skipped: {dict(skipped)})")
+    rows = [(row_id(row), [m["content"] for m in asks]) for row, _, asks in prompts]
+    random.Random(args.seed).shuffle(rows)
+    return rows
+
+
+def run_config(args, tok) -> dict:
+    """The settings that shape the rows: a resumed run must have the same."""
+    cfg_file = Path(args.model) / "config.json"
+    return {"model_config": file_hash(cfg_file) if cfg_file.exists() else None, "chat_template": template_hash(tok),
+            "seed": args.seed, "turns": args.turns, "system": args.system or None,
+            "max_new_tokens": args.max_new_tokens, "prompt_tokens": args.prompt_tokens,
+            "temperature": args.temperature, "prompt_temperature": args.prompt_temperature,
+            "mix": file_hash(args.mix) if args.mix else None,
+            "heldout": [file_hash(p) for p in [F.HELDOUT_DEFAULT, *args.heldout]],
+            "filters": {k: getattr(F, k) for k in ("REPEAT_NGRAM", "MAX_REPEATED_NGRAM_SHARE", "MIN_LINE_CHARS",
+                                                   "MAX_SAME_LINE", "SHINGLE_WORDS", "NUM_PERM", "NEAR_DUP_JACCARD",
+                                                   "HELDOUT_JACCARD")}}
+
+
+def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
+    """-> the stats file's earlier content ({} when no row was written yet); SystemExit when rows exist and the
+    settings that made them differ from this run's."""
+    if not have_rows:
+        return {}
+    if not path.exists():
+        raise SystemExit(f"synthesize: rows exist but {path} (which records how they were made) is missing; "
+                         f"restore it, or write to a new --out")
+    try:
+        old = json.loads(path.read_text())
+        assert isinstance(old.get("config"), dict)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"synthesize: {path} is not a stats file written by data.synthesize; restore it, or write "
+                         f"to a new --out")
+    was = old["config"]
+    diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
+    if diff:
+        said = "; ".join(f"{k}: was {was.get(k)!r}, now {config.get(k)!r}" for k in diff)
+        raise SystemExit(f"synthesize: cannot resume {str(path).removesuffix('.stats.json')}: settings differ "
+                         f"({said}). Rows made with other settings would not match the ones written: use the earlier "
+                         f"settings, or a new --out")
+    return old
+
+
+def targets(args) -> dict:
+    n_mix = round(args.num * args.mix_ratio) if args.mix else 0
+    return {"self": args.num - n_mix, "mix": n_mix}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local HF model folder of the target")
+    ap.add_argument("--num", type=int, required=True, help="rows wanted in --out (kept rows; resumed runs count)")
+    ap.add_argument("--out", type=Path, required=True, help="JSONL to append to (resumed if it exists)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--turns", type=int, choices=[1, 2], default=1, help="user turns per conversation")
+    ap.add_argument("--system", default="", help="system turn (default: the template's own)")
+    ap.add_argument("--mix", type=Path, help="prompt file (data.prepare formats) whose prompts make up --mix-ratio")
+    ap.add_argument("--mix-ratio", type=float, default=0.0, help="share of the rows answered from --mix, 0..1")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="answer cap, tokens")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="cap on a self-written user turn, tokens")
+    ap.add_argument("--temperature", type=float, default=0.0, help="answers (0 = greedy)")
+    ap.add_argument("--prompt-temperature", type=float, default=1.0, help="self-written user turns")
+    ap.add_argument("--batch-size", type=int, default=256, help="engine slots (sequences decoded together)")
+    ap.add_argument("--heldout", type=Path, action="append", default=[],
+                    help=f"more evaluation prompts to keep out (always: {F.HELDOUT_DEFAULT.name})")
+    ap.add_argument("--attempts-per-row", type=float, default=ATTEMPTS_PER_ROW,
+                    help="candidates a stream may try per row it supplies before it stops short")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    args = ap.parse_args(argv)
+    for name, ok in (("--num", args.num >= 1), ("--max-new-tokens", args.max_new_tokens >= 1),
+                     ("--prompt-tokens", args.prompt_tokens >= 1), ("--batch-size", args.batch_size >= 1),
+                     ("--attempts-per-row", args.attempts_per_row >= 1)):
+        if not ok:
+            ap.error(f"{name} must be at least 1")
+    if not 0.0 <= args.mix_ratio <= 1.0:
+        ap.error(f"--mix-ratio must be within 0..1, not {args.mix_ratio}")
+    if bool(args.mix) != (args.mix_ratio > 0):
+        ap.error("--mix and --mix-ratio go together: give both (e.g. --mix data/default/train_prompts.jsonl "
+                 "--mix-ratio 0.02) or neither")
+    if not Path(args.model).is_dir():
+        ap.error(f"--model {args.model} is not a model folder")
+    for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--heldout", p) for p in args.heldout]:
+        if not path.is_file():
+            ap.error(f"{name} {path}: no such file")
+    return args
+
+
+def main(argv=None) -> dict:
+    """-> this run's summary (for tests): the stats written to OUT.stats.json."""
+    args = parse_args(argv)
+    t_start = time.time()
+    tok = load_tokenizer(args.model)
+    config = run_config(args, tok)
+    written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
+    for row in read_back(args.out) + read_back(rejected_path(args.out)):
+        written[stream_of(row)[0]].append(row)
+    for rows in written.values():
+        rows.sort(key=lambda r: stream_of(r)[1])
+    old = check_resume(stats_path(args.out), config, any(written.values()))
+
+    filters = F.Filters(F.heldout_prompts([F.HELDOUT_DEFAULT, *args.heldout]))
+    stats = {s: F.empty_stats() for s in STREAMS}
+    for s, rows in written.items():  # the filter state, rebuilt as it was built: in index order
+        for row in rows:
+            reason = row.get("rejected")
+            if s == "self" and not filters.opener_reason(row):
+                filters.admit(row)
+            F.count(stats[s], row, reason)
+    want = targets(args)
+    nxt = {s: stream_of(rows[-1])[1] + 1 if rows else 0 for s, rows in written.items()}
+    kept0 = sum(st["kept"] for st in stats.values())
+    mix_prompts = read_mix(args) if want["mix"] else []
+    longest_mix = max((len(encode(tok, u)) for _, users in mix_prompts for u in users[:args.turns]), default=0)
+    max_len = (len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
+               + args.turns * (max(args.prompt_tokens, longest_mix) + args.max_new_tokens + 2 * TURN_OVERHEAD))
+    print(f"synthesize: {kept0:,} rows already in {args.out} (self {stats['self']['kept']:,}, mix "
+          f"{stats['mix']['kept']:,}), want {args.num:,} (self {want['self']:,}, mix {want['mix']:,}); "
+          f"max_len {max_len:,} tokens; chunks of {CHUNK_PER_SLOT * args.batch_size:,} candidates")
+
+    runs = old.get("runs", [])
+
+    def record():
+        write_json(stats_path(args.out), summarize(config, stats, nxt, runs))
+    record()  # the settings are on disk before the first row is
+    todo = {s: max(0, want[s] - stats[s]["kept"]) for s in STREAMS}
+    if sum(todo.values()):
+        engine, model = load_engine(args, max_len)
+        synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts)
+        from tqdm import tqdm
+        bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
+        sink = Sink(args.out)
+        try:
+            n_written = generate_rows(synth, stats, want, nxt, args, sink, bar, record)
+        finally:
+            sink.close()
+            bar.close()
+        wall = time.time() - synth.t0
+        runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens,
+                     "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
+                     "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
+                     "device": args.device, "dtype": args.dtype})
+        record()
+        for s in STREAMS:
+            if stats[s]["kept"] < want[s]:
+                print(f"synthesize: the {s} stream stopped short at {stats[s]['kept']:,} of {want[s]:,} rows after "
+                      f"{nxt[s]:,} candidates ({args.attempts_per_row:g} per row); its rejections: "
+                      f"{F.format_stats(stats[s])}. Raise --prompt-temperature or --prompt-tokens, or "
+                      f"--attempts-per-row", file=sys.stderr)
+        for s in STREAMS:
+            if want[s] or stats[s]["kept"]:
+                print(f"synthesize: {s}: {F.format_stats(stats[s])}")
+        print(f"synthesize: wrote {n_written:,} rows to {args.out} in {wall:,.1f} s: {n_written / wall:,.2f} conv/s, "
+              f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates too; "
+              f"{time.time() - t_start:,.1f} s with loading)")
+    else:
+        print(f"synthesize: nothing to do ({kept0:,} rows >= {args.num:,})")
+    return summarize(config, stats, nxt, runs)
+
+
+def summarize(config, stats, nxt, runs) -> dict:
+    """What OUT.stats.json holds: counts over every run that wrote to OUT (they are recounted from the files)."""
+    total = F.empty_stats()
+    for st in stats.values():
+        total["kept"] += st["kept"]
+        total["length_capped"] += st["length_capped"]
+        for r, n in st["rejected"].items():
+            total["rejected"][r] += n
+    return {"config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
+
+
+def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
+    """Chunk after chunk until each stream has its rows or its attempts; -> rows written."""
+    written = 0
+    chunk = CHUNK_PER_SLOT * args.batch_size
+    while True:
+        sizes = {}
+        for s in STREAMS:
+            need = want[s] - stats[s]["kept"]
+            cap = math.ceil(args.attempts_per_row * want[s]) - nxt[s]
+            tried = stats[s]["kept"] + sum(stats[s]["rejected"].values())
+            rate = (stats[s]["kept"] + 1) / (tried + 2)  # kept per candidate so far (Laplace's rule: 1/2 before any)
+            sizes[s] = max(0, min(cap, math.ceil(need / rate * 1.1))) if need > 0 else 0
+        total = sum(sizes.values())
+        if not total:
+            return written
+        if total > chunk:  # share the chunk in proportion, at least one candidate for a stream that needs any
+            sizes = {s: max(1 if n else 0, n * chunk // total) for s, n in sizes.items()}
+        items = [synth.new_item(s, nxt[s] + k) for s in STREAMS for k in range(sizes[s])]
+        synth.run_chunk(items, bar)
+        for it in sorted(items, key=lambda it: (it.stream, it.index)):
+            s = it.stream
+            if stats[s]["kept"] >= want[s]:
+                continue  # past the stream's last row: not written, so a larger --num regenerates it the same
+            sink.write(it.row, it.reason)
+            F.count(stats[s], it.row, it.reason)
+            nxt[s] = it.index + 1
+            if not it.reason:
+                written += 1
+                bar.update(1)
+        record()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""data/synthesize.py and data/filters.py: the filters count each kind of bad row; synthesize resumes into exactly the
+rows of one uninterrupted run, its decisions are those of data.filters on the same rows, and on SmolLM2 it writes
+rows that data.prepare accepts. The mechanics run on a scripted engine (text drawn from (seed, key), no model) with
+the Qwen3 tokenizer fixture, a few seconds each; the SmolLM2 test runs data/engine.py on the real model (slow: about
+25 s on the CPU, `pytest -m slow tests/test_synthesize.py`)."""
+import functools
+import hashlib
+import json
+import lzma
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from data import filters as F
+from data import synthesize as syn
+from data.chat import render
+
+QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
+
+WORDS = ("apple river code stone light cloud music paper glass table window garden number letter planet engine "
+         "forest bridge market silver winter summer ocean castle doctor pencil rocket tunnel violin zebra").split()
+BANK = ["explain how a rocket engine works in simple words for a child who loves planets and stars and the moon "
+        "at night please", "write a short poem about the ocean in winter when the light is silver and the wind"]
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# filters on hand-made rows
+
+def row(*turns, finish=None, user_finish=None):
+    r = {"messages": [user(t) if i % 2 == 0 else assistant(t) for i, t in enumerate(turns)],
+         "finish_reasons": finish or ["stop"] * (len(turns) // 2)}
+    if user_finish:
+        r["user_finish_reasons"] = user_finish
+    return r
+
+
+LOOP = "I am a being of the mind, and I am a being of the mind. " * 6
+HELDOUT = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences " \
+          "and must-see attractions."
+
+
+def hand_made_rows():
+    """(row, expected reason or None) in order; the duplicates refer to the first good row."""
+    good = "How do I sort a list of tuples by the second element in Python without writing a loop myself?"
+    return [
+        (row(good, "Use sorted with a key."), None),
+        (row("What is the tallest mountain on Earth and how was its height measured?", "Everest, by survey.",
+             finish=["length"]), None),
+        (row("   ", "An answer."), "empty_user"),
+        (row("Tell me about the history of", "It began...", user_finish=["length"]), "truncated_user"),
+        (row(LOOP, "Fine."), "repetition"),
+        (row("Give me three tips for sleeping better at night when I am stressed.", LOOP), "repetition"),
+        (row("Line\n" + "print('the same line over and over')\n" * 5, "ok"), "repetition"),
+        (row(HELDOUT.upper().replace(" ", "  "), "Aloha!"), "heldout_copy"),
+        (row(HELDOUT.replace("recent trip", "recent family trip"), "Aloha!"), "heldout_near"),
+        (row("  " + good.lower() + " ", "Other answer."), "duplicate"),
+        (row(good.replace("myself?", "myself at all?"), "Other answer."), "near_duplicate"),
+        (row("Name a fruit that is yellow and long, which monkeys are said to like.", ""), "empty_answer"),
+        (row("Name a fruit that is red and round.", "An apple.", "And a green one?", " "), "empty_answer"),
+        (row("Name a vegetable that is orange and crunchy, loved by rabbits.", "A carrot.", "Why is it orange?",
+             "Beta-carotene.", finish=["stop", "length"]), None),
+    ]
+
+
+def test_filters_count_each_kind_of_bad_row():
+    rows = hand_made_rows()
+    assert HELDOUT in F.heldout_prompts([F.HELDOUT_DEFAULT])  # the held-out rows copy a real eval prompt
+    filters = F.Filters(F.heldout_prompts([F.HELDOUT_DEFAULT]))
+    stats = F.empty_stats()
+    got = []
+    for r, _ in rows:
+        reason = filters.check(r)
+        F.count(stats, r, reason)
+        got.append(reason)
+    assert got == [want for _, want in rows]
+    expected = {r: sum(w == r for _, w in rows) for r in F.REASONS}
+    assert stats == {"kept": 3, "length_capped": 2, "rejected": expected}
+    assert all(expected.values())  # every reason is exercised
+
+
+def test_filters_command_and_heldout_file(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r, _ in hand_made_rows()))
+    extra = tmp_path / "more_eval.jsonl"  # a --heldout file turns the first good row into a held-out copy
+    extra.write_text(json.dumps({"messages": [hand_made_rows()[0][0]["messages"][0]]}) + "\n")
+    stats = F.main([str(inp), "--out", str(tmp_path / "out.jsonl"), "--heldout", str(extra)])
+    # the good row and its exact copy are held-out copies now, its near copy a held-out near copy
+    assert stats["rejected"]["heldout_copy"] == 3 and stats["rejected"]["heldout_near"] == 2
+    assert stats["rejected"]["duplicate"] == stats["rejected"]["near_duplicate"] == 0 and stats["kept"] == 2
+    assert json.loads((tmp_path / "out.jsonl.stats.json").read_text()) == stats
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 2
+    assert "kept 2 of 14" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text('{"messages": []}\n[1]\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2"):
+        F.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2.jsonl")])
+
+
+def test_near_duplicate_index_matches_brute_force_jaccard():
+    """The LSH index against exact Jaccard on the same shingles: pairs well above the threshold are found, pairs
+    well below are not (LSH is approximate near the threshold itself)."""
+    rng = random.Random(0)
+    base = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(40)]
+    variants = []
+    for b in base:
+        w = b.split()
+        k = rng.choice([1, 12])  # 1 word changed: Jaccard ~0.9; 12 words: ~0.3
+        for i in rng.sample(range(30), k):
+            w[i] = rng.choice(WORDS) + "x"
+        variants.append(" ".join(w))
+    filters = F.Filters()
+    for b in base:
+        filters.admit({"messages": [user(b)]})
+    for b, v in zip(base, variants):
+        sa, sb = set(F.shingles(b)), set(F.shingles(v))
+        jaccard = len(sa & sb) / len(sa | sb)
+        found = filters.opener_reason({"messages": [user(v)]}) == "near_duplicate"
+        if jaccard >= 0.9:
+            assert found, (jaccard, v)
+        elif jaccard <= 0.5:
+            assert not found, (jaccard, v)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# synthesize's mechanics on a scripted engine
+
+class ScriptedEngine:
+    """The data.engine API with text drawn from (seed, key) alone: prompts are recorded, not read. Some draws end at
+    the stop token, some run past max_new_tokens, some copy a BANK sentence (duplicates) or loop (repetition)."""
+
+    def __init__(self, tok, seed, stop_after=True):
+        self.tok, self.seed, self.stop_after, self.prompts = tok, seed, stop_after, []
+
+    def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids, keys=None):
+        assert keys is not None and len(keys) == len(prompts) and stop_ids
+        self.prompts += prompts
+        order = list(range(len(prompts)))
+        random.Random(len(self.prompts)).shuffle(order)  # completion order is the engine's business
+        for i in order:
+            rng = random.Random(hashlib.sha256(f"{self.seed}/{keys[i]}".encode()).digest())
+            kind = rng.random()
+            if kind < 0.2:
+                text = rng.choice(BANK)
+            elif kind < 0.3:
+                text = rng.choice(BANK).replace("please", "now")  # a near duplicate
+            elif kind < 0.35:
+                text = "again and again " * 20
+            else:
+                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + "?"
+            ids = self.tok.encode(text, add_special_tokens=False)
+            ends = self.stop_after and rng.random() < 0.85
+            yield (i, ids, "stop") if ends and len(ids) <= max_new_tokens else (i, ids[:max_new_tokens], "length")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_tokenizer")
+    (d / "tokenizer.json").write_bytes(lzma.open(QWEN3_FIXTURE / "tokenizer.json.xz").read())
+    shutil.copy(QWEN3_FIXTURE / "tokenizer_config.json", d)
+    return d
+
+
+LOAD_TOKENIZER = syn.load_tokenizer
+
+
+@functools.cache
+def cached_tokenizer(path):
+    """Each run loads the tokenizer; the tests load it once (0.9 s for Qwen3's)."""
+    return LOAD_TOKENIZER(path)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Replaces the engine; -> an object with the engines made (one per run) and a `never_stop` switch."""
+    class Made:
+        engines, never_stop = [], False
+
+    def load_engine(args, max_len):
+        Made.engines.append(ScriptedEngine(syn.load_tokenizer(args.model), args.seed, stop_after=not Made.never_stop))
+        return Made.engines[-1], None
+    monkeypatch.setattr(syn, "load_engine", load_engine)
+    monkeypatch.setattr(syn, "load_tokenizer", cached_tokenizer)
+    return Made
+
+
+def synth(model, out, num, *extra):
+    return syn.main(["--model", str(model), "--num", str(num), "--out", str(out), "--prompt-tokens", "24",
+                     "--max-new-tokens", "16", "--batch-size", "4", *map(str, extra)])
+
+
+def by_id(path):
+    rows = read_jsonl(path)
+    assert len({r["id"] for r in rows}) == len(rows), "duplicate ids"
+    return {r["id"]: r for r in rows}
+
+
+def test_resume_equals_one_run(tmp_path, qwen3_dir, scripted):
+    """N=20 stopped, then N=40: the 20 rows stay, 20 are added, and both files equal one N=40 run's (rows and
+    rejections, by id), also when the kept file lost its last newline and the rejected file ends in a torn line."""
+    mix = ["--mix", "data/default/train_prompts.jsonl", "--mix-ratio", "0.1"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first = synth(qwen3_dir, a, 20, *mix)
+    assert first["kept"] == 20 and first["rejected"]["duplicate"] + first["rejected"]["near_duplicate"] > 0
+    kept20 = by_id(a)
+    a.write_bytes(a.read_bytes().rstrip(b"\n"))  # a complete last row without its newline: not torn
+    rej = syn.rejected_path(a)
+    rej.write_bytes(rej.read_bytes() + b'{"id": "self/99", "messa')  # a torn write
+    second = synth(qwen3_dir, a, 40, *mix)
+    assert second["runs"][-1]["rows"] == 20
+    one = synth(qwen3_dir, b, 40, *mix)
+    assert by_id(a) == by_id(b) and by_id(syn.rejected_path(a)) == by_id(syn.rejected_path(b))
+    assert {k: v for k, v in by_id(a).items() if k in kept20} == kept20
+    assert {k: second[k] for k in ("kept", "length_capped", "rejected", "candidates", "streams")} == \
+           {k: one[k] for k in ("kept", "length_capped", "rejected", "candidates", "streams")}
+    rows = by_id(b).values()
+    mixed = [r for r in rows if r["source"] != "self"]
+    assert len(mixed) == 4 and all(r["source"] == "mix:data/default/train_prompts.jsonl" and r["prompt_id"]
+                                   for r in mixed)
+    texts = [F.normalize(r["messages"][0]["content"]) for r in rows if r["source"] == "self"]
+    assert len(set(texts)) == len(texts) == 36
+    assert all(r["finish_reasons"] and r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert synth(qwen3_dir, b, 40, *mix)["runs"] == one["runs"]  # complete: nothing to do, nothing written
+
+
+def test_decisions_are_those_of_the_filters_command(tmp_path, qwen3_dir, scripted):
+    """Two turns: every candidate, kept or rejected, gets the same verdict from data.filters on the written rows in
+    index order; the follow-up turn was written from the conversation plus the template's user-turn opening."""
+    out = tmp_path / "s.jsonl"
+    synth(qwen3_dir, out, 12, "--turns", 2, "--system", "Be brief.")
+    rows = sorted(read_jsonl(out) + read_jsonl(syn.rejected_path(out)), key=lambda r: syn.stream_of(r)[1])
+    filters = F.Filters(F.heldout_prompts([F.HELDOUT_DEFAULT]))
+    assert [filters.check(r) for r in rows] == [r.get("rejected") for r in rows]
+    kept = read_jsonl(out)
+    assert all([m["role"] for m in r["messages"]] == ["system", "user", "assistant", "user", "assistant"] and
+               r["user_finish_reasons"] == ["stop", "stop"] for r in kept)
+    tok = cached_tokenizer(str(qwen3_dir))
+    conv = kept[0]["messages"][:3]
+    follow_up = syn.encode(tok, render(tok, conv + [user(syn.SENTINEL)]).split(syn.SENTINEL)[0])
+    assert follow_up in scripted.engines[0].prompts
+    assert tok.decode(follow_up).endswith("<|im_start|>user\n")
+
+
+def test_attempts_cap_and_changed_settings(tmp_path, qwen3_dir, scripted, capsys):
+    scripted.never_stop = True  # every user turn runs into --prompt-tokens
+    out = tmp_path / "t.jsonl"
+    stats = synth(qwen3_dir, out, 5)
+    assert stats["kept"] == 0 and stats["rejected"]["truncated_user"] == 5 * syn.ATTEMPTS_PER_ROW
+    assert "stopped short at 0 of 5 rows after 15 candidates" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="seed: was 0, now 1"):
+        synth(qwen3_dir, out, 5, "--seed", 1)
+    with pytest.raises(SystemExit):
+        synth(qwen3_dir, out, 5, "--mix-ratio", 0.1)
+    assert "--mix and --mix-ratio go together" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SmolLM2: the real model
+
+@pytest.mark.slow  # 20-30 s on 2 shared cores: two chunks of SmolLM2 decoding through the engine on the CPU
+def test_smollm2_rows_prepare_accepts(tmp_path):
+    if not (SMOLLM2_DIR / "model.safetensors").exists():
+        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
+    from data.prepare import prepare
+    out = tmp_path / "smol.jsonl"
+    stats = syn.main(["--model", str(SMOLLM2_DIR), "--num", "6", "--out", str(out), "--prompt-tokens", "40",
+                      "--max-new-tokens", "8", "--temperature", "0.6", "--device", "cpu", "--attempts-per-row", "5",
+                      "--batch-size", "16"])
+    rows = read_jsonl(out)
+    assert len(rows) == stats["kept"] == 6 and len({r["id"] for r in rows}) == 6
+    assert len({F.normalize(r["messages"][0]["content"]) for r in rows}) == 6
+    assert stats["length_capped"] == sum("length" in r["finish_reasons"] for r in rows)
+    prepared = prepare([out], SMOLLM2_DIR, tmp_path / "prepared", max_len=512, num_proc=1)
+    assert prepared["samples"] == 6 and prepared["skipped"] == {}
