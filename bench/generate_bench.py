@@ -10,7 +10,7 @@ model of a named real shape (built on the meta device, then materialised on the 
 lengths drawn uniformly from --prompt-len, no stop ids, so each request makes exactly its --new draw of tokens.
 One line per configuration: slots, prompt / new-token lengths (mean), generated tok/s, conversations/s, ms per
 decode step (pure replay of the largest bucket the run used, and wall time per step with prefill and host syncs),
-peak GPU memory. A configuration that runs out of memory prints OOM and the next one runs.
+busy (tokens made / slot-steps run: idle slots while refills wait, and the drain at the end), peak GPU memory. A configuration that runs out of memory prints OOM and the next one runs.
 """
 import argparse
 import gc
@@ -119,7 +119,7 @@ def run_config(model, slots, prompts, max_new, stop_ids, args):
     new = max_new if isinstance(max_new, int) else sum(max_new) / len(max_new)
     print(f"engine slots {slots:5d} | prompt {sum(map(len, prompts)) / len(prompts):6.0f} tok | new {new:5.0f} tok "
           f"| {n_tok / seconds:9,.0f} tok/s | {n_conv / seconds:7.1f} conv/s | step {step_ms:6.2f} ms (L={bucket}) "
-          f"| wall/step {seconds / steps * 1e3:6.2f} ms | peak {peak:6.1f} GiB | {seconds:5.1f} s", flush=True)
+          f"| wall/step {seconds / steps * 1e3:6.2f} ms | busy {n_tok / (steps * slots):4.0%} | peak {peak:6.1f} GiB | {seconds:5.1f} s", flush=True)
 
 
 def main(argv=None):
@@ -129,7 +129,7 @@ def main(argv=None):
     src.add_argument("--shape", choices=sorted(SHAPES), help="random model of this shape")
     ap.add_argument("--data", type=Path, default=Path("data/default/train_prompts.jsonl"), help="--model: prompts")
     ap.add_argument("--slots", default="256,512,1024", help="comma-separated engine slot counts, one config each")
-    ap.add_argument("--prompts", type=int, default=0, help="requests per config (0 = 3 x slots)")
+    ap.add_argument("--prompts", type=int, default=0, help="requests per config (0 = 4 x slots)")
     ap.add_argument("--prompt-len", default="20:400", help="--shape: prompt lengths LO:HI, uniform")
     ap.add_argument("--new", default="256", help="max new tokens; LO:HI draws each request's uniformly")
     ap.add_argument("--max-len", type=int, default=2048)
@@ -147,7 +147,7 @@ def main(argv=None):
     print(f"generate_bench: {args.model or args.shape} on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
           f"{model.dtype}, torch {torch.__version__}, temperature {args.temperature}", flush=True)
     for slots in [int(s) for s in args.slots.split(",")]:
-        n = args.prompts or 3 * slots
+        n = args.prompts or 4 * slots
         if args.model:
             pool = real_prompts(args.data, tok, 10 ** 9)
             prompts = [pool[i % len(pool)] for i in range(n)]

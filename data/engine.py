@@ -101,9 +101,8 @@ def _fold(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _mix32(_mix32(h ^ (v & M32)) ^ (v >> 32))
 
 
-def key_hash(seed: int, keys, device="cpu") -> torch.Tensor:
-    """-> [n] 32-bit hashes of (seed, key), the per-request part of the sampling noise."""
-    k = torch.as_tensor(keys, dtype=torch.long, device=device)
+def key_hash(seed: int, k: torch.Tensor) -> torch.Tensor:
+    """k [n] int64 keys >= 0 -> [n] 32-bit hashes of (seed, key), the per-request part of the sampling noise."""
     return _fold(_fold(torch.full_like(k, 0x9E3779B9), torch.full_like(k, seed)), k)
 
 

@@ -1,6 +1,6 @@
 """Have the target write the assistant turns itself, so the drafter learns the target's distribution.
 
-    python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local transformers
+    python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local (data.engine)
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --endpoint http://127.0.0.1:30000 \
         --served-model NAME --concurrency 32                                                  # SGLang / vLLM server
 
@@ -11,6 +11,11 @@ assistant turns of a row are what gets regenerated and are not read (prompt-only
 (default) every original assistant turn is dropped and the target answers each user turn in order; `--turns last`
 keeps the conversation up to its last user (or tool) turn and regenerates only the final answer. Output rows: the
 input row with `messages` replaced and `finish_reasons` added (one per generated turn: "stop" or "length").
+
+Local generation runs data.engine (continuous batching, CUDA graphs; `--batch-size` slots, 0 = as many as fit in
+free GPU memory, `--max-len` tokens each); `--engine hf` runs transformers `generate` instead, the slow reference.
+Both write the same greedy rows. Sampled rows (`--temperature` > 0) from the engine depend only on `--seed`, the
+row id and the turn, so a resumed run samples what an uninterrupted one would have.
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
 drops a torn last line (that prompt is redone). A prompt that still fails after `--retries` tries goes to
@@ -35,6 +40,9 @@ RETRY_BACKOFF_S = 0.5     # sleep before the 2nd try of a failed request or batc
 NUM_EXAMPLES = 5          # skipped input rows printed with their file:line
 RETRYABLE = (OSError, ValueError, KeyError, IndexError, http.client.HTTPException)  # URLError/HTTPError are OSError
 PLACEHOLDER = {"role": "assistant", "content": "(regenerated)"}  # lent to normalize_messages, see prompt_turns
+ENGINE_CHUNK = 32         # fast engine: conversations per engine call, in slots (bounds the prompts held; each call
+                          # ends with its slots draining, ~1/ENGINE_CHUNK of the time)
+HF_BATCH = 32             # --engine hf: conversations per generate call when --batch-size is 0
 
 
 # --- rows -----------------------------------------------------------------------------------------------------------
@@ -168,47 +176,66 @@ class Sink:
 # --- backends -------------------------------------------------------------------------------------------------------
 
 class LocalBackend:
-    """transformers `generate` in left-padded batches on the local device."""
+    """A local HF model (data.engine.load_model: bf16 on CUDA, fp32 on CPU). engine "fast": data.engine's
+    continuous batching, through `stream`; engine "hf": transformers `generate` in left-padded batches, through
+    `generate` (the slow reference). Both stop at data.engine.default_stop_ids."""
 
-    def __init__(self, path, device, dtype, max_new_tokens, temperature, thinking, seed):
+    def __init__(self, path, device, dtype, max_new_tokens, temperature, thinking, seed, engine="fast", slots=0,
+                 max_len=4096):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from data.engine import Engine, auto_slots, default_stop_ids, load_model
         self.torch = torch
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dt = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.tok.padding_side = "left"
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).to(device).eval()
-        self.device, self.max_new, self.temperature, self.thinking = device, max_new_tokens, temperature, thinking
+        self.model, self.tok = load_model(path, device, dtype)
+        self.device, self.max_new, self.temperature, self.thinking = (
+            self.model.device, max_new_tokens, temperature, thinking)
+        self.stop_ids = default_stop_ids(self.model, self.tok)
+        self.engine = None
+        if engine == "fast":
+            self.engine = Engine(self.model, max_batch=slots or auto_slots(self.model, max_len), max_len=max_len,
+                                 seed=seed)
+        self.hf_tokens = 0
         torch.manual_seed(seed)
 
-    def encode(self, messages):
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine.stats["generated"] if self.engine else self.hf_tokens
+
+    def encode(self, messages) -> list[int]:
         kw = {} if self.thinking is None else {"enable_thinking": self.thinking}
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def check(self, ids) -> list[int]:
+        """-> ids; ValueError (naming --max-len) for a prompt the engine cannot fit."""
+        self.engine.check_prompt(len(ids), self.max_new)
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True).strip()
+
+    def stream(self, prompts: list[list[int]], keys: list[int]):
+        """-> (index, text, finish reason) per prompt, in completion order (data.engine.Engine.generate)."""
+        for i, ids, why in self.engine.generate(prompts, max_new_tokens=self.max_new, temperature=self.temperature,
+                                                stop_ids=self.stop_ids, keys=keys):
+            yield i, self.decode(ids), why
 
     def generate(self, batch: list[list[dict]]) -> list[tuple[str, str]]:
         torch = self.torch
         ids = [self.encode(m) for m in batch]
-        ids = [x["input_ids"] if isinstance(x, dict) or hasattr(x, "keys") else x for x in ids]
         width = max(len(x) for x in ids)
-        pad = self.tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in ids], device=self.device)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.device)
         attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
         sample = self.temperature > 0
         with torch.inference_mode():
             out = self.model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=self.max_new,
                                       do_sample=sample, temperature=self.temperature if sample else None,
-                                      top_p=None, top_k=None, pad_token_id=pad)
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos])
+                                      top_p=None, top_k=None, pad_token_id=pad, eos_token_id=self.stop_ids)
         results = []
         for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in eos), None)
-            text = self.tok.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
-            results.append((text.strip(), "stop" if cut is not None else "length"))
+            cut = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+            self.hf_tokens += len(row) if cut is None else cut + 1
+            results.append((self.decode(row[:cut] if cut is not None else row), "stop" if cut is not None else "length"))
         return results
 
 
@@ -288,6 +315,45 @@ def run_local(backend, todo, sink, batch_size, retries, progress):
         progress(len(chunk))
 
 
+def sample_key(rid: str, turn: int) -> int:
+    """The engine's noise key of a row's turn: a row samples the same answer whatever shares its batch, and on resume."""
+    return int(hashlib.sha1(f"{rid}/{turn}".encode()).hexdigest()[:15], 16)
+
+
+def run_engine(backend, todo, sink, chunk, progress):
+    """Continuous batching (data.engine), `chunk` conversations at a time: every row's turn k, then turn k+1 (a
+    turn's prompt needs the previous answer, and one engine call per turn keeps the engine's API a plain list).
+    Rows are written as their last turn completes. A row whose template fails or whose prompt does not fit --max-len
+    fails alone, before the engine runs; the engine is deterministic, so nothing is retried."""
+    for start in range(0, len(todo), chunk):
+        rows = todo[start:start + chunk]
+        convs = [list(history) for _, history, _ in rows]
+        reasons = [[] for _ in rows]
+        alive = list(range(len(rows)))
+        for k in range(max(len(asks) for _, _, asks in rows)):
+            turn, prompts = [], []
+            for i in alive:
+                if k >= len(rows[i][2]):
+                    continue
+                convs[i].append(rows[i][2][k])
+                try:
+                    prompts.append(backend.check(backend.encode(convs[i])))
+                except Exception as e:  # noqa: BLE001 - recorded per prompt, the run goes on
+                    sink.failed(rows[i][0], e)
+                    progress(1)
+                    continue
+                turn.append(i)
+            keys = [sample_key(row_id(rows[i][0]), k) for i in turn]
+            for j, text, why in backend.stream(prompts, keys):
+                i = turn[j]
+                convs[i].append({"role": "assistant", "content": text})
+                reasons[i].append(why)
+                if k == len(rows[i][2]) - 1:
+                    sink.done(rows[i][0], convs[i], reasons[i])
+                    progress(1)
+            alive = turn
+
+
 def run_http(backend, todo, sink, concurrency, retries, progress) -> int:
     """-> rows with an answer that holds no reasoning (counted with --thinking on only: the server's reasoning
     parser may be off, or the model does not think)."""
@@ -329,7 +395,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--thinking", choices=["on", "off", "auto"], default="auto", help="enable_thinking for templates that have it")
-    ap.add_argument("--batch-size", type=int, default=32, help="local backend: conversations per generate call")
+    ap.add_argument("--engine", choices=["fast", "hf"], default="fast",
+                    help="local backend: data.engine's continuous batching, or transformers generate (slow reference)")
+    ap.add_argument("--batch-size", type=int, default=0, help="local backend: engine slots (0 = as many as fit in "
+                    f"free GPU memory), or for --engine hf conversations per generate call (0 = {HF_BATCH})")
+    ap.add_argument("--max-len", type=int, default=4096, help="fast engine: prompt + answer tokens per slot; a longer "
+                    "prompt is recorded as failed")
     ap.add_argument("--concurrency", type=int, default=16, help="HTTP backend: requests in flight")
     ap.add_argument("--retries", type=int, default=3, help="tries per prompt before it is recorded as failed")
     ap.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout per request, seconds")
@@ -353,25 +424,40 @@ def main(argv=None) -> dict:
     if not todo:
         return counts
     from tqdm import tqdm
-    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
-    sink = Sink(args.output)
     if args.model:
         backend = LocalBackend(args.model, args.device, args.dtype, args.max_new_tokens, args.temperature,
-                               thinking, args.seed)
-        run_local(backend, todo, sink, args.batch_size, args.retries, bar.update)
+                               thinking, args.seed, args.engine, args.batch_size, args.max_len)
     else:
         backend = HttpBackend(args.endpoint, args.served_model, args.max_new_tokens, args.temperature, thinking,
                               args.timeout)
-        counts["no_reasoning"] = run_http(backend, todo, sink, args.concurrency, args.retries, bar.update)
+    sink = Sink(args.output)
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
+    t0 = time.perf_counter()
+
+    def progress(n):  # tqdm shows conv/s; the local backends also count generated tokens
+        bar.update(n)
+        if hasattr(backend, "generated_tokens"):
+            bar.set_postfix_str(f"{backend.generated_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+
+    if args.model and args.engine == "fast":
+        run_engine(backend, todo, sink, ENGINE_CHUNK * backend.engine.S, progress)
+    elif args.model:
+        run_local(backend, todo, sink, args.batch_size or HF_BATCH, args.retries, progress)
+    else:
+        counts["no_reasoning"] = run_http(backend, todo, sink, args.concurrency, args.retries, progress)
     bar.close()
     sink.close()
+    wall = time.perf_counter() - t0
     counts["failed"] = sink.n_failed
     if counts["no_reasoning"]:
         print(f"regenerate: warning: {counts['no_reasoning']:,} rows got an answer without reasoning although "
               f"--thinking on (no reasoning_content or <think> block): check that the server runs a reasoning "
               f"parser and that the model thinks", file=sys.stderr)
-    print(f"regenerate: wrote {args.output}" + (f"; {counts['failed']:,} failed, see {args.output}.errors.jsonl"
-                                                 if counts["failed"] else ""))
+    tokens = f", {backend.generated_tokens:,} tokens ({backend.generated_tokens / wall:,.0f} tok/s)" \
+        if hasattr(backend, "generated_tokens") else ""
+    print(f"regenerate: {len(todo) - sink.n_failed:,} conversations in {wall:.1f} s "
+          f"({(len(todo) - sink.n_failed) / wall:.2f} conv/s){tokens}; wrote {args.output}"
+          + (f"; {counts['failed']:,} failed, see {args.output}.errors.jsonl" if counts["failed"] else ""))
     return counts
 
 

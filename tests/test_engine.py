@@ -1,0 +1,159 @@
+"""data/engine.py against transformers' generate: greedy token for token on tiny random Llama and Qwen3 (and on
+SmolLM2 when present) with fewer slots than prompts and stop ids hit mid-way; the Gumbel sampler's determinism
+per (seed, key) and its distribution; refusals; regenerate's fast engine writing what --engine hf writes. CPU, fp32."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from data import regenerate as regen
+from data.engine import Engine, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
+
+SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
+
+
+def tiny_model(family: str, vocab=96, layers=2):
+    import transformers
+    torch.manual_seed(0)
+    cfg = getattr(transformers, family + "Config")(
+        vocab_size=vocab, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, num_hidden_layers=layers, max_position_embeddings=512,
+        initializer_range=0.2)  # large weights: clear argmax margins, so rounding order cannot flip a greedy pick
+    return getattr(transformers, family + "ForCausalLM")(cfg).eval()
+
+
+def hf_greedy(model, prompt, max_new, stop_ids):
+    """transformers' generate on one unpadded prompt -> (ids without the stop token, finish reason)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=stop_ids or None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    cut = next((i for i, t in enumerate(out) if t in stop_ids), None)
+    return (out, "length") if cut is None else (out[:cut], "stop")
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_greedy_matches_hf_generate(family):
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (1, 37, 5, 12, 60, 3, 23, 8)]
+    max_new = [20, 9, 20, 1, 30, 20, 14, 20]
+    stop = hf_greedy(model, prompts[0], 20, [])[0][4]   # prompt 0's 5th token: a stop that some rows hit mid-way
+    ref = [hf_greedy(model, p, m, [stop]) for p, m in zip(prompts, max_new)]
+    assert {why for _, why in ref} == {"stop", "length"} and any(why == "stop" and ids for ids, why in ref)
+    engine = Engine(model, max_batch=3, max_len=96)     # 3 slots for 8 prompts: slots are refilled
+    got = {i: (ids, why) for i, ids, why in engine.generate(prompts, max_new_tokens=max_new, stop_ids=[stop])}
+    assert [got[i] for i in range(len(prompts))] == ref
+    assert engine.stats["prompts"] == 8 and engine.stats["generated"] == sum(
+        len(ids) + (why == "stop") for ids, why in ref)
+    assert len(engine.buckets) > 1  # short contexts attended over a shorter cache bucket
+
+
+def test_smollm2_chat_prompts_match_hf_generate():
+    if not (SMOLLM2_DIR / "model.safetensors").exists():
+        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
+    model, tok = load_model(SMOLLM2_DIR, device="cpu")
+    stop_ids = default_stop_ids(model, tok)
+    chats = ["What is AI?", "Name three colors.", "Hi", "Write one sentence about the sea."]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]) for c in chats]
+    ref = [hf_greedy(model, p, 24, stop_ids) for p in prompts]
+    got = {i: (ids, why) for i, ids, why in Engine(model, max_batch=2, max_len=128).generate(
+        prompts, max_new_tokens=24, stop_ids=stop_ids)}
+    assert [got[i] for i in range(len(prompts))] == ref
+
+
+def test_sampling_depends_only_on_seed_and_key():
+    model = tiny_model("Qwen3")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 17, 9, 30, 2, 11)]
+
+    def run(slots, idx, seed=0):
+        engine = Engine(model, max_batch=slots, max_len=64, seed=seed)
+        out = engine.generate([prompts[i] for i in idx], max_new_tokens=16, temperature=1.0, stop_ids=[],
+                              keys=[100 + i for i in idx])
+        return {idx[j]: ids for j, ids, _ in out}
+
+    alone = run(2, [0, 1, 2])
+    mixed = run(5, [5, 2, 4, 0, 3, 1])                  # other neighbours, other slots, other order
+    assert {i: mixed[i] for i in alone} == alone
+    assert run(2, [0, 1, 2], seed=1) != alone            # the seed changes the draw
+    greedy = {i: ids for i, ids, _ in Engine(model, max_batch=2, max_len=64).generate(
+        [prompts[i] for i in range(3)], max_new_tokens=16, stop_ids=[])}
+    assert [greedy[i] for i in range(3)] != [alone[i] for i in range(3)]   # it does sample
+
+
+@pytest.mark.parametrize("vary", ["key", "position"])
+def test_gumbel_sampler_matches_softmax(vary):
+    """40,000 draws from one logits row, over consecutive keys (or positions): the counts pass a chi-square test
+    against softmax(logits / T) (5 degrees of freedom; 20.5 is its 0.1% tail), so the sampler is exact."""
+    T, n = 0.7, 40_000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    counter = torch.arange(n)
+    rows = _fold(key_hash(0, counter), torch.full_like(counter, 7)) if vary == "key" else \
+        _fold(key_hash(0, torch.full_like(counter, 3)), counter)
+    draws = gumbel_argmax((logits / T).expand(n, -1), rows, _mix32(torch.arange(6)))
+    expected = n * torch.softmax(logits / T, -1)
+    chi2 = (((torch.bincount(draws, minlength=6) - expected) ** 2) / expected).sum().item()
+    assert chi2 < 20.5, chi2
+    # and a skewed row is not passed by accident: the same counts fail against uniform
+    assert (((torch.bincount(draws, minlength=6) - n / 6) ** 2) / (n / 6)).sum().item() > 1000
+
+
+def test_refusals():
+    engine = Engine(tiny_model("Llama"), max_batch=2, max_len=32)
+    with pytest.raises(ValueError, match=r"30 tokens \+ 8 new tokens exceeds the engine's max_len 32: raise --max-len"):
+        list(engine.generate([[1] * 5, [1] * 30], max_new_tokens=8, stop_ids=[]))
+    with pytest.raises(ValueError, match="stop_ids"):
+        list(engine.generate([[1]], max_new_tokens=2, stop_ids=[96]))
+    bad = tiny_model("Llama")
+    bad.config.model_type = "gemma"
+    with pytest.raises(ValueError, match="use --engine hf"):
+        Engine(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A random 1-layer Llama with the real SmolLM2 tokenizer and chat template."""
+    if not (SMOLLM2_DIR / "tokenizer.json").exists():
+        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("tiny_chat")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.5)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(SMOLLM2_DIR / name, out)
+    return out
+
+
+def test_regenerate_fast_engine_writes_what_hf_writes(tmp_path, tiny_chat_model):
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    rows = [{"id": "a", "messages": [user("What is AI?")]},
+            {"id": "b", "messages": [{"role": "system", "content": "Be terse."}, user("q1"),
+                                     {"role": "assistant", "content": "old"}, user("And the second question?")]},
+            {"id": "c", "messages": [user("Tell me a joke about cats, please.")]},
+            {"id": "d", "messages": [user("Hi")]},
+            {"id": "e", "messages": [user("a long one " * 80)]}]
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(out, *extra):
+        regen.main(["--input", str(inp), "--output", str(out), "--model", str(tiny_chat_model), "--device", "cpu",
+                    "--max-new-tokens", "6", "--batch-size", "2", *extra])
+        return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+    hf, fast = run(tmp_path / "hf.jsonl", "--engine", "hf"), run(tmp_path / "fast.jsonl")
+    assert set(fast) == set("abcde") and fast == hf
+    assert len(fast["b"]["finish_reasons"]) == 2 and [m["role"] for m in fast["b"]["messages"]][-2:] == \
+        ["user", "assistant"]
+    # a prompt that does not fit --max-len fails alone, with the fix in its error; the others are written
+    short = tmp_path / "short.jsonl"
+    assert set(run(short, "--max-len", "160")) == set("abcd")
+    (err,) = map(json.loads, (tmp_path / "short.jsonl.errors.jsonl").read_text().splitlines())
+    assert err["id"] == "e" and "raise --max-len" in err["error"]
