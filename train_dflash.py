@@ -91,6 +91,22 @@ DUMP_BATCHES = 0            # drafters save the first N received micro-batches t
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_")]
 REPO = Path(__file__).resolve().parent
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
+# Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
+# Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
+RANGES = {
+    "NUM_DRAFT_LAYERS": (1, False), "NUM_TAPS": (0, False), "BLOCK_SIZE": (2, False), "MASK_TOKEN_ID": (-1, False),
+    "SLIDING_WINDOW_LAYERS": (0, False), "SLIDING_WINDOW": (0, False),
+    "MAX_ANCHORS": (1, False), "MIN_ANCHORS_PER_DOC": (0, False), "GAMMA": (0, True), "NOISE": (0, False),
+    "CE_CHUNK": (0, False),
+    "TOKEN_BUDGET": (2, False), "MAX_BATCH_SIZE": (1, False), "EPOCHS": (1, False),
+    "GRAD_ACCUM": (1, False), "LR": (0, True), "WARMUP_RATIO": (0, False), "WEIGHT_DECAY": (0, False),
+    "GRAD_CLIP": (0, True), "MAX_STEPS": (0, False),
+    "TARGET_RANKS": (1, False), "Q_PREFETCH": (1, False), "Q_HS": (1, False), "SEND_DEPTH": (1, False),
+    "SAVE_EVERY": (1, False), "KEEP_LAST": (0, False), "SEED": (0, False), "LOG_EVERY": (1, False),
+    "LOG_SECONDS": (0, True), "HEARTBEAT_TIMEOUT": (0, True), "STALL_TIMEOUT": (0, True), "EVAL_EVERY": (0, False),
+    "EVAL_LIMIT": (1, False), "EVAL_MAX_NEW_TOKENS": (1, False), "DUMP_BATCHES": (0, False),
+}
 
 
 # --- configuration ----------------------------------------------------------------------------------------------------
@@ -138,27 +154,29 @@ def check_config(world: int) -> None:
     if world > 1 and not 1 <= TARGET_RANKS < world:
         errs.append(f"TARGET_RANKS={TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
                     f"(at least one drafter rank); launch more processes or lower TARGET_RANKS")
-    for name, lo in [("BLOCK_SIZE", 2), ("GRAD_ACCUM", 1), ("EVAL_EVERY", 0), ("EVAL_LIMIT", 1),
-                     ("EVAL_MAX_NEW_TOKENS", 1), ("MAX_ANCHORS", 1), ("TOKEN_BUDGET", 2),
-                     ("MAX_BATCH_SIZE", 1), ("NUM_DRAFT_LAYERS", 1), ("EPOCHS", 1), ("KEEP_LAST", 0),
-                     ("SAVE_EVERY", 1), ("LOG_EVERY", 1), ("Q_PREFETCH", 1), ("Q_HS", 1), ("SEND_DEPTH", 1)]:
-        if globals()[name] < lo:
-            errs.append(f"{name}={globals()[name]} must be >= {lo}")
-    if GAMMA <= 0:
-        errs.append(f"GAMMA={GAMMA} must be > 0")
-    if not 0 <= WARMUP_RATIO < 1:
-        errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be in [0, 1)")
-    if LR <= 0 or NOISE < 0 or MAX_STEPS < 0 or CE_CHUNK < 0:
-        errs.append("LR must be > 0 and NOISE, MAX_STEPS, CE_CHUNK >= 0")
+    for name, (lo, strict) in RANGES.items():
+        v = globals()[name]
+        if not math.isfinite(v) or (v <= lo if strict else v < lo):
+            errs.append(f"{name}={v} must be {'>' if strict else '>='} {lo:g}"
+                        + (" and finite" if isinstance(v, float) else ""))
+    if not WARMUP_RATIO < 1:
+        errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be < 1 (the fraction of the run spent warming up)")
+    if SLIDING_WINDOW_LAYERS > NUM_DRAFT_LAYERS:
+        errs.append(f"SLIDING_WINDOW_LAYERS={SLIDING_WINDOW_LAYERS} must be <= NUM_DRAFT_LAYERS={NUM_DRAFT_LAYERS}")
     if DEVICE not in ("auto", "cuda", "cpu") or DTYPE not in ("auto", "bfloat16", "float32") or \
             ATTN not in ("auto", "flex", "sdpa"):
         errs.append(f"DEVICE={DEVICE!r} DTYPE={DTYPE!r} ATTN={ATTN!r}: allowed are auto|cuda|cpu, "
                     f"auto|bfloat16|float32, auto|flex|sdpa")
     if RESUME not in ("auto", "scratch") and not Path(RESUME).exists():
         errs.append(f"RESUME={RESUME!r} is neither auto, scratch nor an existing checkpoint folder")
+    if Path(OUT_DIR).exists() and not Path(OUT_DIR).is_dir():
+        errs.append(f"OUT_DIR={OUT_DIR} is a file, not a folder: point OUT_DIR at a folder (it is created if missing)")
     tgt = Path(TARGET).expanduser()
     if not (tgt / "config.json").exists():
         errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
+    elif not any(next(tgt.glob(pat), None) for pat in WEIGHT_FILES):
+        errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): download the "
+                    f"model's weight files into it")
     else:
         arch = json.loads((tgt / "config.json").read_text()).get("architectures") or []
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
@@ -393,8 +411,8 @@ class Schedule:
 
     def lr(self, g):
         warm = WARMUP_RATIO * self.planned_g
-        if g < warm:
-            return LR * (g + 1) / warm
+        if g < warm:   # capped: a warmup shorter than one optimizer step (fractional warm) must not overshoot LR
+            return LR * min(1.0, (g + 1) / warm)
         return LR * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.planned_g - warm))))
 
 
