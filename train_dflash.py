@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -491,15 +492,17 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None, stats
                     ids, attn = ids.pin_memory(), attn.pin_memory()
                 q_pre.put((g, ids, mask, attn, lens))
             q_pre.put(None)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             if watchdog:
-                watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}")
-            raise
+                watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}", traceback.format_exc())
+            q_pre.put(e)   # the one-process mode has no watchdog: its feeder thread raises it on
     threading.Thread(target=prefetch, daemon=True, name="prefetch").start()
     while True:
         item = q_pre.get()
         if item is None:
             return
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"prefetch thread: {type(item).__name__}: {item}") from item
         g, ids, mask, attn, lens = item
         if g >= stop_g():
             return
@@ -533,15 +536,14 @@ def colocated_feed(d, data, sched, target, start_g, stop_g, prepare):
                 for p in packets:
                     item = prepare(p)
                     q.put((item, stream.record_event() if cuda else None))
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            import traceback
-            q.put((e, traceback.format_exc()))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread (its traceback travels with it)
+            q.put((e, None))
     threading.Thread(target=feed, daemon=True, name="feeder").start()
 
     def next_item():
         item, done = q.get()
         if isinstance(item, BaseException):
-            raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}\n{done}")
+            raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}") from item
         return handoff(item, done, d.device)
     next_item.queues = lambda: ([pre.get("q", 0)], [q.qsize()])
     return next_item
@@ -731,8 +733,12 @@ def main(argv):
     stop_flag = threading.Event()
 
     def on_signal(signum, _frame):
+        name = signal.Signals(signum).name
+        if stop_flag.is_set():   # the second one: the next step may never come (a stuck rank, a wait on input)
+            fail(f"got a second {name}: ending now, without a checkpoint; RESUME=auto continues from the newest "
+                 f"complete one in {ck_root}")
         stop_flag.set()  # acted on at the next optimizer step boundary
-        log(f"[rank {d.rank} {d.role}] got {signal.Signals(signum).name}: saving a checkpoint at the next step")
+        log(f"[rank {d.rank} {d.role}] got {name}: saving a checkpoint at the next step (send it again to end now)")
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
@@ -962,7 +968,6 @@ def main(argv):
             raise
         raise
     except Exception as e:  # noqa: BLE001 - every failure ends the whole job with a reason
-        import traceback
         reason = f"{type(e).__name__}: {e}"
         if "out of memory" in str(e).lower() and torch.cuda.is_available():
             gib = 2 ** 30

@@ -597,3 +597,41 @@ def test_impossible_config_fails_before_any_model_loads(assets, tmp_path, nproc,
     assert "load target" not in log and "build drafter" not in log, "a model was loaded before the error"
     assert "Traceback" not in re.split(r"torch[/.]distributed[/.]elastic", r.stderr)[0], r.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- errors on a worker thread of the one-process mode ------------------------------------------------------------------
+
+def test_one_process_mode_ends_on_an_error_in_its_feeder_thread(assets, faults, tmp_path):
+    """`python train_dflash.py`: the thread that pads micro-batches fails at its 3rd batch. The job ends with that
+    error (it waited forever for the next micro-batch before)."""
+    faults(BATCH_ERROR=3)
+    t = time.time()
+    r = runs.run(1, args(assets, tmp_path / "run"), timeout=90)
+    log = r.stdout + r.stderr
+    assert "FAULT: error in batch call 3" in log, log[-3000:]
+    assert r.returncode != 0 and time.time() - t < 60, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "injected fault in BatchPlan.batch(g=2)" in last, last
+
+
+def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tmp_path):
+    """The feeder thread hangs in its 3rd target forward: the first SIGTERM asks for a checkpoint at the next step,
+    which never comes; the second ends the job at once, saying so."""
+    faults(HANG_FORWARD=3)
+    cmd = [runs.sys.executable, str(runs.REPO / "train_dflash.py"), *args(assets, tmp_path / "run")]
+    proc = subprocess.Popen(cmd, cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        assert runs.wait_for(proc, "FAULT: hanging in target forward", 60, lines), "".join(lines)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert runs.wait_for(proc, "saving a checkpoint at the next step", 10, lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        code, rest, waited = runs.finish(proc, 20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines) + rest
+    assert code not in (0, None) and waited < 10, log[-3000:]
+    assert "error: got a second SIGTERM: ending now, without a checkpoint" in log, log[-3000:]
