@@ -788,6 +788,11 @@ def main(argv):
 
         # -- where to start: checkpoint choice is made by the master and shared through the store --
         resume_path = None
+        if d.is_master and not DRY_RUN:   # one job per OUT_DIR, from here to the process's exit
+            try:
+                ckpt.lock_out_dir(out_dir, log=log)
+            except ckpt.CheckpointError as e:
+                fail(str(e))
         if d.is_master:
             existing = ckpt.list_checkpoints(ck_root)
             if RESUME == "scratch" and existing:

@@ -348,13 +348,17 @@ def test_fallback_skips_a_missing_folder_in_the_middle(tmp_path):
 
 
 def test_half_written_folder_is_never_a_checkpoint_and_is_cleaned(tmp_path):
-    save_tiny(tmp_path, 1)
-    stale = tmp_path / ".tmp-step_000002"        # what a writer killed mid-save leaves
+    root = tmp_path / "checkpoints"
+    save_tiny(root, 1)
+    stale = root / ".tmp-step_000002"            # what a writer killed mid-save leaves, or another job's save
     stale.mkdir()
     (stale / "state.pt").write_bytes(b"half")
-    assert ckpt.list_checkpoints(tmp_path) == [ckpt.step_dir(tmp_path, 1)]
-    assert ckpt.latest_complete(tmp_path) == ckpt.step_dir(tmp_path, 1)
-    save_tiny(tmp_path, 3, keep_last=0)          # keep everything: stale folders still go
+    assert ckpt.list_checkpoints(root) == [ckpt.step_dir(root, 1)]
+    assert ckpt.latest_complete(root) == ckpt.step_dir(root, 1)
+    save_tiny(root, 3, keep_last=0)
+    assert stale.exists(), "without OUT_DIR's lock a .tmp- folder may be another job's checkpoint being written"
+    ckpt.lock_out_dir(tmp_path)                  # the trainer holds it: no other job writes here, stale ones go
+    save_tiny(root, 4, keep_last=0)              # keep everything: stale folders still go
     assert not stale.exists()
 
 
@@ -635,3 +639,67 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
     log = "".join(lines) + rest
     assert code not in (0, None) and waited < 10, log[-3000:]
     assert "error: got a second SIGTERM: ending now, without a checkpoint" in log, log[-3000:]
+
+
+# --- two jobs on one OUT_DIR --------------------------------------------------------------------------------------------
+
+def test_out_dir_lock_refuses_a_second_holder_and_survives_a_dead_one(tmp_path):
+    """flock semantics: a second open of the lock (another job) is refused with the holder's host and pid; the
+    lock of a process that was killed is free again, and the file's leftover name is reported."""
+    import socket
+    out = tmp_path / "out"
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=rf"OUT_DIR={out} is in use by another job \(host "
+                                                         rf"{socket.gethostname()} pid {holder.pid}\)"):
+            ckpt.lock_out_dir(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    notes = []
+    ckpt.lock_out_dir(out, log=notes.append)      # killed -9: the kernel dropped its lock
+    assert notes and f"names a job that is gone ({socket.gethostname()} {holder.pid})" in notes[0], notes
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}\n"
+
+
+def hold_lock(out):
+    """A process holding OUT_DIR's lock, as a running job does."""
+    p = subprocess.Popen([runs.sys.executable, "-c", "import time, checkpoint; "
+                          f"checkpoint.lock_out_dir({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
+                         cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_trainer_refuses_a_locked_out_dir_before_any_model_loads(assets, tmp_path):
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    try:
+        r = runs.run(1, args(assets, out))
+    finally:
+        holder.kill()
+        holder.wait()
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and f"OUT_DIR={out} is in use by another job (host " in log, log[-3000:]
+    assert f"pid {holder.pid})" in log and "load target" not in log and "Traceback" not in log, log[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [".lock"], "the refused job wrote nothing"
+
+
+@pytest.mark.slow
+def test_second_job_on_a_busy_out_dir_is_refused_before_any_model_loads(assets, faults, tmp_path):
+    out = tmp_path / "run"
+    faults(SLOW_FORWARD=1.0)                     # the first job (1 target + 1 drafter) runs ~10 s after its step 1
+    first = Job(args(assets, out, MAX_STEPS=STEPS), nproc=2)
+    try:
+        first.wait_for("step=1/")
+        faults()
+        r = runs.run(1, args(assets, out))
+        code, _ = first.finish(120)
+    finally:
+        first.close()
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and re.search(rf"OUT_DIR={out} is in use by another job \(host \S+ pid "
+                                           rf"{first.pids[1]}\)", log), log[-3000:]
+    assert "load target" not in log and "Traceback" not in log, log[-3000:]
+    assert code == 0 and f"done: {STEPS} steps" in first.text, first.text[-3000:]
+    assert steps_of(out) == list(range(2, STEPS + 1, 2)), "the first job's checkpoints are all there"
