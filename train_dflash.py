@@ -204,6 +204,79 @@ def check_config(world: int) -> None:
         sys.exit("error: bad configuration:\n  - " + "\n  - ".join(errs))
 
 
+def read_stats(data_dir) -> dict:
+    """DATA/stats.json as data.prepare wrote it ({} for a dataset made another way)."""
+    path = Path(data_dir) / "stats.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as e:
+        sys.exit(f"error: {path} is not JSON ({e}); prepare DATA again with `python -m data.prepare`")
+
+
+def check_data_tokenizer(stats: dict, tok) -> list[str]:
+    """The dataset's token ids and loss masks mean what they should only under the tokenizer and chat template it was
+    prepared with: compare the hashes data.prepare recorded with TARGET's. -> one error line per mismatch."""
+    from data.chat import template_hash
+    from data.prepare import tokenizer_hash
+    errs = []
+    fix = (f"prepare DATA again with `python -m data.prepare --tokenizer {TARGET} ...`, or train the target it was "
+           f"made for")
+    made_with = stats.get("tokenizer", "?")
+    if stats.get("tokenizer_hash") and stats["tokenizer_hash"] != tokenizer_hash(tok):
+        errs.append(f"DATA={DATA} was tokenized with the tokenizer of {made_with} (vocabulary hash "
+                    f"{stats['tokenizer_hash'][:12]}), TARGET={TARGET} has another one ({tokenizer_hash(tok)[:12]}): "
+                    f"its token ids mean other tokens; {fix}")
+    if stats.get("chat_template_hash") and stats["chat_template_hash"] != template_hash(tok):
+        errs.append(f"DATA={DATA} was rendered with the chat template of {made_with} (hash "
+                    f"{stats['chat_template_hash'][:12]}), TARGET={TARGET}'s template differs "
+                    f"({template_hash(tok)[:12]}): the drafter would learn text laid out unlike what the target serves; "
+                    f"{fix}")
+    return errs
+
+
+def target_fingerprint(path) -> dict:
+    """What identifies a target without loading it: its config.json (hashed, less the fields a re-save changes) and
+    its weight files' headers plus their first MiB of tensor data (another checkpoint of the same architecture
+    differs there)."""
+    path = Path(path).expanduser()
+    cfg = json.loads((path / "config.json").read_text())
+    for k in ("_name_or_path", "transformers_version"):
+        cfg.pop(k, None)
+    weights = hashlib.sha256()
+    for f in sorted(p for pat in WEIGHT_FILES for p in path.glob(pat)):
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if f.suffix == ".safetensors" else 0
+            weights.update(f.name.encode() + head + fh.read(n + (1 << 20)))
+    config_sha = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    return {"path": str(path.resolve()), "config_sha256": config_sha, "weights_sha256": weights.hexdigest()}
+
+
+# drafter config field -> the setting that decides it (fields not listed come from the target's config)
+SHAPED_BY = {"num_hidden_layers": "NUM_DRAFT_LAYERS", "block_size": "BLOCK_SIZE",
+             "target_layer_ids": "TARGET_LAYER_IDS", "mask_token_id": "MASK_TOKEN_ID",
+             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW"}
+
+
+def resume_mismatches(meta: dict, dcfg, fingerprint: dict) -> list[str]:
+    """What a checkpoint was written for that this run would change: the drafter's shape (by setting) and the target
+    (by fingerprint). -> one line per difference, naming the setting and both values."""
+    errs = []
+    old = meta.get("drafter") or {}
+    for field, new in dcfg.__dict__.items():
+        if field in old and old[field] != new:
+            name = SHAPED_BY.get(field, f"TARGET (its config's {field})")
+            errs.append(f"{name}: the checkpoint has {field}={old[field]}, this run {new}")
+    was = meta.get("target")
+    if was and (was["config_sha256"], was["weights_sha256"]) != (fingerprint["config_sha256"],
+                                                                 fingerprint["weights_sha256"]):
+        what = "config and weights" if was["config_sha256"] != fingerprint["config_sha256"] else "weights"
+        errs.append(f"TARGET: the checkpoint was trained on {was['path']} (config {was['config_sha256'][:12]}, weights "
+                    f"{was['weights_sha256'][:12]}), this run's {fingerprint['path']} has other {what} (config "
+                    f"{fingerprint['config_sha256'][:12]}, weights {fingerprint['weights_sha256'][:12]})")
+    return errs
+
+
 # --- distributed setup --------------------------------------------------------------------------------------------
 
 class Dist:
@@ -750,6 +823,13 @@ def main(argv):
             tok = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
         except (OSError, ValueError):
             tok = None
+        stats = read_stats(DATA)
+        if tok is not None and stats:
+            errs = check_data_tokenizer(stats, tok)
+            if errs:
+                sys.exit("error: DATA does not match TARGET:\n  - " + "\n  - ".join(errs))
+        elif d.is_master and stats.get("tokenizer_hash"):
+            log(f"NOTE: TARGET={TARGET} has no tokenizer: DATA's tokenizer ({stats.get('tokenizer')}) is not checked")
         mask_id = MASK_TOKEN_ID
         if mask_id < 0:
             if tok is None:
@@ -813,6 +893,19 @@ def main(argv):
         elif d.store:
             resume_path = d.store.get("resume_path").decode() or None
         meta = ckpt.read_meta(resume_path) if resume_path else None
+        fingerprint = target_fingerprint(TARGET)
+        if meta:   # what shapes the drafter, and the target it learned, must be the checkpoint's: else refuse now
+            errs = resume_mismatches(meta, dcfg, fingerprint)
+            if errs:
+                fail(f"cannot resume {resume_path}: this run differs in what the checkpoint was trained for:\n  - "
+                     + "\n  - ".join(errs) + "\nResume with the checkpoint's settings and TARGET, or start over in "
+                     f"another OUT_DIR")
+            if d.is_master and not meta.get("target"):
+                log(f"WARNING: {resume_path} records no target fingerprint (written by an older version): the TARGET "
+                    f"is not checked against it")
+            elif d.is_master and meta["target"]["path"] != fingerprint["path"]:
+                log(f"NOTE: TARGET moved since the checkpoint ({meta['target']['path']} -> {fingerprint['path']}); "
+                    f"same config and weights")
 
         start_g, step, planned_g = 0, 0, None
         if meta:
@@ -878,7 +971,8 @@ def main(argv):
                         "drafter": dcfg.__dict__, "data": {"rows": data.num_rows, "trainable": len(data.rows),
                                                            "dropped": data.dropped, "content_hash": data.content_hash,
                                                            "num_batches": data.plan.num_batches},
-                        "resumed_from": str(resume_path) if resume_path else None, "time": time.time()}
+                        "target": fingerprint, "resumed_from": str(resume_path) if resume_path else None,
+                        "time": time.time()}
             (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
 
         stop_g = [sched.total_g]
@@ -1043,6 +1137,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
     from model.objective import block_metrics, weighted_ce
 
     out_dir = Path(OUT_DIR)
+    fingerprint = target_fingerprint(TARGET)   # in every checkpoint: a resume checks its target against it
     metrics = Metrics(out_dir, config) if d.is_master else None
     if watchdog and metrics:
         watchdog.on_abort.append(metrics.flush)
@@ -1076,7 +1171,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         meta = {"step": step_now, "next_g": g_now, "planned_g": sched.planned_g, "epoch": g_now / data.plan.num_batches,
                 "split": [d.n_targets, d.n_drafters], "config": config, "env": ckpt.environment(),
                 "data": {"rows": data.num_rows, "num_batches": data.plan.num_batches, "content_hash": data.content_hash},
-                "drafter": dcfg.__dict__, "time": time.time()}
+                "drafter": dcfg.__dict__, "target": fingerprint, "time": time.time()}
         t = time.time()
         try:
             path = ckpt.save(ck_root, step_now, state, meta, lambda p: export_drafter(drafter, p), KEEP_LAST)
