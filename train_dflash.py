@@ -234,6 +234,28 @@ def check_data_tokenizer(stats: dict, tok) -> list[str]:
     return errs
 
 
+def eval_inputs(tok, stats: dict) -> dict:
+    """EVAL_EVERY's prompts, checked at start-up (a bad row used to end the job at its first evaluation), and the
+    dataset's thinking mode (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was
+    trained. tok: TARGET's tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
+    from eval_dflash import load_prompts, prompt_messages
+    path = Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl")
+    try:
+        prompts = load_prompts(path, limit=EVAL_LIMIT)
+        for row in prompts:
+            if "input_ids" not in row:
+                prompt_messages(row)
+                if tok is None:
+                    raise ValueError(f"prompt {row['id']!r} is text, and TARGET={TARGET} has no tokenizer to encode "
+                                     f"it: give its rows as input_ids")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        sys.exit(f"error: EVAL_PROMPTS={path}: {type(e).__name__ + ': ' if not isinstance(e, ValueError) else ''}{e}")
+    if not prompts:
+        sys.exit(f"error: EVAL_PROMPTS={path} holds no prompts (a JSONL of prompts, see eval_dflash.py)")
+    thinking = stats.get("thinking")
+    return {"prompts": prompts, "path": path, "enable_thinking": {"on": True, "off": False}.get(thinking), "tok": tok}
+
+
 def target_fingerprint(path) -> dict:
     """What identifies a target without loading it: its config.json (hashed, less the fields a re-save changes) and
     its weight files' headers plus their first MiB of tensor data (another checkpoint of the same architecture
@@ -830,6 +852,10 @@ def main(argv):
                 sys.exit("error: DATA does not match TARGET:\n  - " + "\n  - ".join(errs))
         elif d.is_master and stats.get("tokenizer_hash"):
             log(f"NOTE: TARGET={TARGET} has no tokenizer: DATA's tokenizer ({stats.get('tokenizer')}) is not checked")
+        eval_setup = eval_inputs(tok, stats) if EVAL_EVERY else None
+        if eval_setup and d.is_master:
+            log(f"eval: every {EVAL_EVERY} checkpoint(s), {len(eval_setup['prompts'])} prompts of {eval_setup['path']}, "
+                f"thinking={stats.get('thinking') or 'the template default'} (as DATA was prepared)")
         mask_id = MASK_TOKEN_ID
         if mask_id < 0:
             if tok is None:
@@ -1056,7 +1082,7 @@ def main(argv):
             next_item = receiver.get
             watchdog.state = "waiting for the first micro-batch (queues filling)"
         train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config,
-              ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None)
+              ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None, eval_setup)
         log_peak_memory(d)
         finish(d, watchdog, code=0)
     except SystemExit as e:
@@ -1127,7 +1153,7 @@ def finish(d, watchdog, code):
 
 
 def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config, ck_root,
-          watchdog, stop_flag, next_item, receiver):
+          watchdog, stop_flag, next_item, receiver, eval_setup=None):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -1183,29 +1209,29 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
             evaluate_now(step_now)
 
     saves = [0]
-    evaluator = {}   # the HF target, tokenizer, prompts and greedy references, loaded at the first evaluation
+    evaluator = {"reference": {}}   # greedy reference decodes, kept: they depend on the target and prompts only
 
     def evaluate_now(step_now):
         """tau of the current drafter on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
-        filling the queues, so the pipeline stalls no longer than the evaluation itself."""
-        from eval_dflash import evaluate, load_prompts
+        filling the queues. The watchdog knows (its stall check pauses), and the HF target it loads in EVAL_DTYPE
+        is freed afterwards (planner.py counts it in the drafter's peak)."""
+        from eval_dflash import evaluate
+        from transformers import AutoModelForCausalLM
         opt.wait_all()
         t = time.time()
-        if not evaluator:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
-                                                         attn_implementation="sdpa",
-                                                         local_files_only=True).to(d.device).eval()
-            evaluator.update(model=model, tok=AutoTokenizer.from_pretrained(TARGET, local_files_only=True),
-                             prompts=load_prompts(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl",
-                                                  limit=EVAL_LIMIT), reference={})
-        if watchdog:
-            watchdog.state = f"evaluating tau at step {step_now}"
-        drafter.eval()
-        with torch.no_grad():
-            res = evaluate(evaluator["model"], evaluator["tok"], drafter, evaluator["prompts"],
-                           max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
-                           reference=evaluator["reference"], log=None)
+        with watchdog.pause(f"evaluating tau at step {step_now}") if watchdog else contextlib.nullcontext():
+            target_model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
+                                                                attn_implementation="sdpa",
+                                                                local_files_only=True).to(d.device).eval()
+            drafter.eval()
+            with torch.no_grad():
+                res = evaluate(target_model, eval_setup["tok"], drafter, eval_setup["prompts"],
+                               max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
+                               reference=evaluator["reference"], enable_thinking=eval_setup["enable_thinking"],
+                               log=None)
+            del target_model
+            if d.device.type == "cuda":
+                torch.cuda.empty_cache()   # give the evaluation's memory back to training
         drafter.train()
         last_eval.update(tau=res["tau"], lossless=res["lossless"])
         metrics.write({"time": time.time(), "step": step_now, "tau": res["tau"], "lossless": res["lossless"],
@@ -1215,7 +1241,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         # matches training; tf_streak far below the status line's streak = the drafter does not generalise to them
         tf = res.get("tf_streak")
         log(f"eval step {step_now}: tau={res['tau']:.2f} lossless={'yes' if res['lossless'] else 'no'} "
-            f"prompts={len(evaluator['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
+            f"prompts={len(eval_setup['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
             f"({time.time() - t:.0f}s)")
 
     last_eval = {}

@@ -703,3 +703,45 @@ def test_second_job_on_a_busy_out_dir_is_refused_before_any_model_loads(assets, 
     assert "load target" not in log and "Traceback" not in log, log[-3000:]
     assert code == 0 and f"done: {STEPS} steps" in first.text, first.text[-3000:]
     assert steps_of(out) == list(range(2, STEPS + 1, 2)), "the first job's checkpoints are all there"
+
+
+# --- the in-training evaluation -------------------------------------------------------------------------------------
+
+def eval_assets(assets, tmp_path, thinking="off"):
+    """The dataset with a stats.json saying how it was prepared, and a prompts file of token ids (the tiny target
+    has no tokenizer)."""
+    target, data = assets
+    shutil.copytree(data, tmp_path / "data")
+    (tmp_path / "data" / "stats.json").write_text(json.dumps({"thinking": thinking}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 7, 7, 7, 9, 9]}) + "\n" for i in range(2)))
+    return target, tmp_path / "data", prompts
+
+
+def test_slow_evaluation_is_not_a_stall(assets, faults, tmp_path):
+    """EVAL_EVERY's evaluation holds the other ranks up for longer than STALL_TIMEOUT: the watchdog knows it is an
+    evaluation (it ended the job as a stall before). It also renders prompts in the dataset's thinking mode."""
+    target, data, prompts = eval_assets(assets, tmp_path)
+    faults(SLOW_EVAL=7)
+    r = runs.run(2, runs.base_args(target, data, tmp_path / "run", MAX_STEPS=2, SAVE_EVERY=2, EVAL_EVERY=1,
+                                   EVAL_PROMPTS=prompts, EVAL_LIMIT=2, EVAL_MAX_NEW_TOKENS=4, STALL_TIMEOUT=3))
+    completed(r, steps=2)
+    log = r.stdout + r.stderr
+    assert "FAULT: slow evaluation, 7s (enable_thinking=False)" in log, log[-3000:]
+    assert "eval: every 1 checkpoint(s), 2 prompts of" in log and "thinking=off (as DATA was prepared)" in log
+    assert [m["step"] for m in runs.metrics(tmp_path / "run") if "tau" in m] == [2]
+
+
+@pytest.mark.parametrize("row,message", [
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}', "has no user turn"),
+    ('{"prompt": "hello"}', "is text, and TARGET=\\S+ has no tokenizer"),
+    ('{"text": "hello"}', "a prompt row needs `messages`, `prompt` or `input_ids`"),
+    ('not json', "prompts.jsonl:2: not JSON"),
+    ('', "holds no prompts"),
+], ids=["no-user-turn", "text-without-tokenizer", "no-prompt", "not-json", "empty"])
+def test_bad_eval_prompts_are_refused_at_start_up(assets, tmp_path, row, message):
+    target, data, prompts = eval_assets(assets, tmp_path)
+    prompts.write_text((prompts.read_text().splitlines()[0] + "\n" + row + "\n") if row else "")
+    r = runs.run(1, args(assets, tmp_path / "run", EVAL_EVERY=1, EVAL_PROMPTS=prompts))
+    assert r.returncode != 0 and re.search(message, r.stderr), r.stdout[-2000:] + r.stderr[-2000:]
+    assert "load target" not in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -14,6 +14,7 @@ Inert unless one of these environment variables is set (the test sets them; torc
     FAULT_SAVE_ENOSPC=N       the N-th state.pt write writes half its bytes, then raises OSError(ENOSPC)
     FAULT_BATCH_ERROR=N       the N-th data.batching.BatchPlan.batch call raises RuntimeError (an error on the
                               thread that pads micro-batches)
+    FAULT_SLOW_EVAL=S         each eval_dflash.evaluate call sleeps S seconds first (a long in-training evaluation)
 
 Every injection prints one line starting with "FAULT:" so a test can wait for it. The patches attach when the
 trainer imports the module concerned (model.target, checkpoint, pipe), so nothing heavy is imported here.
@@ -115,8 +116,20 @@ def _patch_batching(mod) -> None:
     mod.BatchPlan.batch = batch
 
 
+def _patch_eval(mod) -> None:
+    slow = float(os.environ.get("FAULT_SLOW_EVAL", 0) or 0)
+    orig = mod.evaluate
+
+    def evaluate(*a, **kw):
+        _say(f"slow evaluation, {slow:g}s (enable_thinking={kw.get('enable_thinking')})")
+        time.sleep(slow)
+        return orig(*a, **kw)
+    if slow:
+        mod.evaluate = evaluate
+
+
 _PATCHES = {"model.target": _patch_target, "checkpoint": _patch_checkpoint, "pipe": _patch_pipe,
-            "data.batching": _patch_batching}
+            "data.batching": _patch_batching, "eval_dflash": _patch_eval}
 
 
 class _Hook(importlib.abc.MetaPathFinder):
@@ -141,5 +154,6 @@ class _Hook(importlib.abc.MetaPathFinder):
 # a trainer process (a torchrun worker or the one-process mode) with a fault switched on; the torchrun agent never
 # imports the patched modules
 if _mine() and any(os.environ.get(k) for k in ("FAULT_SLOW_FORWARD", "FAULT_HANG_FORWARD", "FAULT_SLOW_SAVE",
-                                               "FAULT_SAVE_ENOSPC", "FAULT_SLOW_SEND", "FAULT_BATCH_ERROR")):
+                                               "FAULT_SAVE_ENOSPC", "FAULT_SLOW_SEND", "FAULT_BATCH_ERROR",
+                                               "FAULT_SLOW_EVAL")):
     sys.meta_path.insert(0, _Hook())
