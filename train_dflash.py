@@ -175,14 +175,14 @@ def check_config(world: int) -> None:
     tgt = Path(TARGET).expanduser()
     if not (tgt / "config.json").exists():
         errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
-    elif not any(next(tgt.glob(pat), None) for pat in WEIGHT_FILES):
-        errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): download the "
-                    f"model's weight files into it")
     else:
         arch = json.loads((tgt / "config.json").read_text()).get("architectures") or []
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
+        elif not any(next(tgt.glob(pat), None) for pat in WEIGHT_FILES):
+            errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): download the "
+                        f"model's weight files into it")
     if FLEX_OPTIONS:
         try:
             if not isinstance(json.loads(FLEX_OPTIONS), dict):
