@@ -8,8 +8,13 @@ Layout of OUT_DIR/checkpoints/step_NNNNNN/:
 
 A folder is written as `.tmp-step_NNNNNN` and renamed when MANIFEST.json is on disk, so a crash or SIGKILL
 mid-write never leaves something that looks like a checkpoint; a truncated or edited file fails its checksum.
+
+One job at a time writes an OUT_DIR: lock_out_dir takes OUT_DIR/.lock for the job's life, and only its holder
+removes `.tmp-*` folders (any other writer's are then dead).
 """
+import atexit
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -98,17 +103,70 @@ def _is_disk_full(e: BaseException) -> bool:
 
 
 def prune(root: Path, keep_last: int, newest: int | None = None) -> None:
-    """Keep the last `keep_last` checkpoints up to step `newest` (the one just written; 0 = keep all) and remove
-    folders of killed writers. Checkpoints past `newest` are left alone: they are left over from before a resume
-    from an older checkpoint (usually because they failed verification) and are replaced when training gets
-    there, so counting them would delete the checkpoint just written."""
-    for stale in Path(root).glob(".tmp-*"):  # left by a killed writer
-        shutil.rmtree(stale, ignore_errors=True)
+    """Keep the last `keep_last` checkpoints up to step `newest` (the one just written; 0 = keep all) and, when this
+    process holds the OUT_DIR lock above root, remove folders of killed writers (without it a `.tmp-*` folder may be
+    another live job's checkpoint being written). Checkpoints past `newest` are left alone: they are left over from
+    before a resume from an older checkpoint (usually because they failed verification) and are replaced when
+    training gets there, so counting them would delete the checkpoint just written."""
+    if holds_lock(root):
+        for stale in Path(root).glob(".tmp-*"):  # left by a killed writer: the lock says no other job is writing
+            shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return
     done = [p for p in list_checkpoints(root) if newest is None or _step_of(p) <= newest]
     for old in done[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# --- one job per OUT_DIR ------------------------------------------------------------------------------------------------
+
+LOCK_NAME = ".lock"
+_HELD = {}   # resolved OUT_DIR -> the open lock file (kept open: closing it releases the lock)
+
+
+def lock_out_dir(out_dir: Path, log=print) -> None:
+    """Take OUT_DIR's exclusive lock for the rest of this process's life, or raise CheckpointError naming the job
+    that holds it. flock: the kernel releases it when the holder exits, however it exits (kill -9 included), so a
+    dead job never leaves a stale lock; the file's text (host pid) names the holder. flock works on local disks and,
+    through fcntl emulation, on NFS."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        f = open(out_dir / LOCK_NAME, "a+")
+    except OSError as e:
+        raise CheckpointError(f"cannot create the lock file in OUT_DIR={out_dir} ({e.strerror}): point OUT_DIR at "
+                              f"a writable folder") from e
+    f.seek(0)
+    before = f.read().strip()
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        host, _, pid = before.partition(" ")
+        raise CheckpointError(f"OUT_DIR={out_dir} is in use by another job (host {host or '?'} pid {pid or '?'}), "
+                              f"which writes its checkpoints and logs there; nothing was changed. Wait for it to "
+                              f"end or stop it, or use another OUT_DIR") from None
+    if before:
+        log(f"NOTE: {out_dir / LOCK_NAME} names a job that is gone ({before}); taking it over")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    f.flush()
+    _HELD[out_dir.resolve()] = f
+    atexit.register(_release, out_dir.resolve())   # a normal exit leaves the file empty; a killed job, its name
+
+
+def _release(out_dir: Path) -> None:
+    f = _HELD.pop(out_dir, None)
+    if f is not None:
+        f.truncate(0)
+        f.close()
+
+
+def holds_lock(path: Path) -> bool:
+    """Whether this process holds the lock of an OUT_DIR that is `path` or contains it."""
+    path = Path(path).resolve()
+    return any(path == d or d in path.parents for d in _HELD)
 
 
 def _step_of(path: Path) -> int:

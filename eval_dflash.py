@@ -134,7 +134,8 @@ def target_forward(model, ids, positions, cache, layer_ids=None, mask=None, last
     out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
                 output_hidden_states=bool(layer_ids), logits_to_keep=1 if last_only else 0,
                 **{_cache_kw(model): cache})
-    # decoder layer l == hidden_states[l + 1] (index 0 is the embedding output)
+    # decoder layer l == hidden_states[l + 1] (index 0 is the embedding output; the last layer's entry is after the
+    # final norm, and model.target.Target's features of it are normed alike, so training reads what this reads)
     feats = torch.cat([out.hidden_states[l + 1][0] for l in layer_ids], dim=-1) if layer_ids else None
     return out.logits[0], feats
 

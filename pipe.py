@@ -4,6 +4,7 @@ A micro-batch crosses as a `Packet`: a small int64 header over the gloo control 
 the shapes on the CPU without a GPU sync), then the payload tensors over the data group (NCCL on GPU, gloo on
 CPU). Both ends walk their micro-batches in increasing global index `g`, so blocking transfers cannot deadlock.
 """
+import contextlib
 import json
 import os
 import queue
@@ -183,6 +184,7 @@ class Watchdog(threading.Thread):
         self.stats = {}            # role-specific numbers for the status line (queue depth, counters)
         self.collect = []          # callables returning more stats, polled here (e.g. a BusyClock)
         self.steady = False        # stall detection only once training runs (start-up can take minutes)
+        self.paused = False        # set by pause(): this rank is busy on purpose (an evaluation), peers wait for it
         self._beats = 0
         self._progress = 0
         self._seen = {}            # rank -> (last heartbeat value, local time it changed)
@@ -195,6 +197,18 @@ class Watchdog(threading.Thread):
 
     def progress(self):
         self._progress += 1
+
+    @contextlib.contextmanager
+    def pause(self, state: str):
+        """Work that makes no progress and holds the other ranks up while it runs (the trainer's evaluation):
+        published in the heartbeat, so no rank counts it as a stall; the stall clock restarts when it ends.
+        Heartbeats go on, so a rank that dies meanwhile is still named at once."""
+        before, self.state, self.paused = self.state, state, True
+        try:
+            yield
+        finally:
+            self.state, self.paused = before, False
+            self._progress += 1
 
     def start(self):
         self.store.set(f"pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -318,7 +332,8 @@ class Watchdog(threading.Thread):
         state = self.state + (f"; receiver {self.recv_state}" if self.recv_state else "") + \
             (f"; sender {self.send_state}" if self.send_state else "")
         self.store.set(f"hb/{self.rank}", json.dumps({"beat": self._beats, "progress": self._progress,
-                                                      "steady": self.steady, "state": state, **self.stats}))
+                                                      "steady": self.steady, "paused": self.paused, "state": state,
+                                                      **self.stats}))
         if not self.is_master:
             self._exit_if_done()
         self._check_abort()
@@ -344,8 +359,9 @@ class Watchdog(threading.Thread):
             return
         progress = {r: i["progress"] for r, i in beats.items() if i is not None}
         progress[self.rank] = self._progress
+        paused = self.paused or any(i and i.get("paused") for i in beats.values())
         for r, p in progress.items():
-            if self._seen_progress.get(r, (None,))[0] != p:
+            if paused or self._seen_progress.get(r, (None,))[0] != p:   # a pause counts as progress throughout
                 self._seen_progress[r] = (p, now)
         newest = max(t for _, t in self._seen_progress.values())
         if now - newest > self.stall_timeout:

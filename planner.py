@@ -188,6 +188,11 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
         n = 1 if s.tied else 2
         terms.insert(2, _term(f"frozen embedding{'' if s.tied else ' + lm_head'} [{s.V}, {s.H}] bf16", "frozen io",
                               n * s.V * s.H * BF16, "static"))
+    if cfg.get("EVAL_EVERY"):   # the master drafter's tau evaluation loads its own HF target, freed afterwards
+        eval_dtype = str(cfg.get("EVAL_DTYPE", "float32"))
+        terms.append(_term(f"evaluation target ({eval_dtype}, EVAL_EVERY; while it runs the training activations are "
+                           f"freed)", "eval target", d["target_params"] * (FP32 if eval_dtype == "float32" else BF16),
+                           (prefix + "evaluation",)))
     if d["n_drafters"] > 1:
         terms.insert(2, _term(f"DDP gradient buckets fp32 ({d['n_drafters']} drafter ranks)", "DDP buckets",
                               DFT_DDP_BUCKETS * P * FP32, "static"))

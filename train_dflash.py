@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -97,6 +98,23 @@ DUMP_BATCHES = 0            # drafters save the first N received micro-batches t
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_")]
 REPO = Path(__file__).resolve().parent
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
+# Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
+# Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
+RANGES = {
+    "NUM_DRAFT_LAYERS": (1, False), "NUM_TAPS": (0, False), "BLOCK_SIZE": (2, False), "MASK_TOKEN_ID": (-1, False),
+    "SLIDING_WINDOW_LAYERS": (0, False), "SLIDING_WINDOW": (0, False),
+    "MAX_ANCHORS": (1, False), "MIN_ANCHORS_PER_DOC": (0, False), "GAMMA": (0, True), "DPACE_ALPHA": (0, False),
+    "NOISE": (0, False),
+    "CE_CHUNK": (0, False),
+    "TOKEN_BUDGET": (2, False), "MAX_BATCH_SIZE": (1, False), "EPOCHS": (1, False),
+    "GRAD_ACCUM": (1, False), "LR": (0, True), "WARMUP_RATIO": (0, False), "WEIGHT_DECAY": (0, False),
+    "GRAD_CLIP": (0, True), "MAX_STEPS": (0, False),
+    "TARGET_RANKS": (1, False), "Q_PREFETCH": (1, False), "Q_HS": (1, False), "SEND_DEPTH": (1, False),
+    "SAVE_EVERY": (1, False), "KEEP_LAST": (0, False), "SEED": (0, False), "LOG_EVERY": (1, False),
+    "LOG_SECONDS": (0, True), "HEARTBEAT_TIMEOUT": (0, True), "STALL_TIMEOUT": (0, True), "EVAL_EVERY": (0, False),
+    "EVAL_LIMIT": (1, False), "EVAL_MAX_NEW_TOKENS": (1, False), "DUMP_BATCHES": (0, False),
+}
 
 
 # --- configuration ----------------------------------------------------------------------------------------------------
@@ -144,22 +162,19 @@ def check_config(world: int) -> None:
     if world > 1 and not 1 <= TARGET_RANKS < world:
         errs.append(f"TARGET_RANKS={TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
                     f"(at least one drafter rank); launch more processes or lower TARGET_RANKS")
-    for name, lo in [("BLOCK_SIZE", 2), ("GRAD_ACCUM", 1), ("EVAL_EVERY", 0), ("EVAL_LIMIT", 1),
-                     ("EVAL_MAX_NEW_TOKENS", 1), ("MAX_ANCHORS", 1), ("TOKEN_BUDGET", 2),
-                     ("MAX_BATCH_SIZE", 1), ("NUM_DRAFT_LAYERS", 1), ("EPOCHS", 1), ("KEEP_LAST", 0),
-                     ("SAVE_EVERY", 1), ("LOG_EVERY", 1), ("Q_PREFETCH", 1), ("Q_HS", 1), ("SEND_DEPTH", 1)]:
-        if globals()[name] < lo:
-            errs.append(f"{name}={globals()[name]} must be >= {lo}")
-    if GAMMA <= 0:
-        errs.append(f"GAMMA={GAMMA} must be > 0")
+    for name, (lo, strict) in RANGES.items():
+        v = globals()[name]
+        if not math.isfinite(v) or (v <= lo if strict else v < lo):
+            errs.append(f"{name}={v} must be {'>' if strict else '>='} {lo:g}"
+                        + (" and finite" if isinstance(v, float) else ""))
+    if not WARMUP_RATIO < 1:
+        errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be < 1 (the fraction of the run spent warming up)")
+    if SLIDING_WINDOW_LAYERS > NUM_DRAFT_LAYERS:
+        errs.append(f"SLIDING_WINDOW_LAYERS={SLIDING_WINDOW_LAYERS} must be <= NUM_DRAFT_LAYERS={NUM_DRAFT_LAYERS}")
     if LOSS_WEIGHTING not in ("exp", "dpace"):
         errs.append(f"LOSS_WEIGHTING={LOSS_WEIGHTING!r}: allowed are exp, dpace")
-    if not 0 <= DPACE_ALPHA <= 1:
-        errs.append(f"DPACE_ALPHA={DPACE_ALPHA} must be in [0, 1]")
-    if not 0 <= WARMUP_RATIO < 1:
-        errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be in [0, 1)")
-    if LR <= 0 or NOISE < 0 or MAX_STEPS < 0 or CE_CHUNK < 0:
-        errs.append("LR must be > 0 and NOISE, MAX_STEPS, CE_CHUNK >= 0")
+    if not DPACE_ALPHA <= 1:
+        errs.append(f"DPACE_ALPHA={DPACE_ALPHA} must be <= 1 (D-PACE's confidence smoothing lies in [0, 1])")
     if DEVICE not in ("auto", "cuda", "cpu") or DTYPE not in ("auto", "bfloat16", "float32") or \
             ATTN not in ("auto", "flex", "sdpa"):
         errs.append(f"DEVICE={DEVICE!r} DTYPE={DTYPE!r} ATTN={ATTN!r}: allowed are auto|cuda|cpu, "
@@ -169,6 +184,8 @@ def check_config(world: int) -> None:
     if INIT_FROM and not all((Path(INIT_FROM) / f).is_file() for f in ("config.json", "model.safetensors")):
         errs.append(f"INIT_FROM={INIT_FROM} is not an exported drafter folder (config.json + model.safetensors, "
                     f"e.g. runs/x/checkpoints/step_N/drafter)")
+    if Path(OUT_DIR).exists() and not Path(OUT_DIR).is_dir():
+        errs.append(f"OUT_DIR={OUT_DIR} is a file, not a folder: point OUT_DIR at a folder (it is created if missing)")
     tgt = Path(TARGET).expanduser()
     if not (tgt / "config.json").exists():
         errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
@@ -177,6 +194,9 @@ def check_config(world: int) -> None:
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
+        elif not any(next(tgt.glob(pat), None) for pat in WEIGHT_FILES):
+            errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): download the "
+                        f"model's weight files into it")
     if FLEX_OPTIONS:
         try:
             if not isinstance(json.loads(FLEX_OPTIONS), dict):
@@ -257,6 +277,101 @@ def load_init_from(drafter) -> str:
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return "/".join(dtypes)
+
+
+def read_stats(data_dir) -> dict:
+    """DATA/stats.json as data.prepare wrote it ({} for a dataset made another way)."""
+    path = Path(data_dir) / "stats.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as e:
+        sys.exit(f"error: {path} is not JSON ({e}); prepare DATA again with `python -m data.prepare`")
+
+
+def check_data_tokenizer(stats: dict, tok) -> list[str]:
+    """The dataset's token ids and loss masks mean what they should only under the tokenizer and chat template it was
+    prepared with: compare the hashes data.prepare recorded with TARGET's. -> one error line per mismatch."""
+    from data.chat import template_hash
+    from data.prepare import tokenizer_hash
+    errs = []
+    fix = (f"prepare DATA again with `python -m data.prepare --tokenizer {TARGET} ...`, or train the target it was "
+           f"made for")
+    made_with = stats.get("tokenizer", "?")
+    if stats.get("tokenizer_hash") and stats["tokenizer_hash"] != tokenizer_hash(tok):
+        errs.append(f"DATA={DATA} was tokenized with the tokenizer of {made_with} (vocabulary hash "
+                    f"{stats['tokenizer_hash'][:12]}), TARGET={TARGET} has another one ({tokenizer_hash(tok)[:12]}): "
+                    f"its token ids mean other tokens; {fix}")
+    if stats.get("chat_template_hash") and stats["chat_template_hash"] != template_hash(tok):
+        errs.append(f"DATA={DATA} was rendered with the chat template of {made_with} (hash "
+                    f"{stats['chat_template_hash'][:12]}), TARGET={TARGET}'s template differs "
+                    f"({template_hash(tok)[:12]}): the drafter would learn text laid out unlike what the target serves; "
+                    f"{fix}")
+    return errs
+
+
+def eval_inputs(tok, stats: dict) -> dict:
+    """EVAL_EVERY's prompts, checked at start-up (a bad row used to end the job at its first evaluation), and the
+    dataset's thinking mode (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was
+    trained. tok: TARGET's tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
+    from eval_dflash import load_prompts, prompt_messages
+    path = Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl")
+    try:
+        prompts = load_prompts(path, limit=EVAL_LIMIT)
+        for row in prompts:
+            if "input_ids" not in row:
+                prompt_messages(row)
+                if tok is None:
+                    raise ValueError(f"prompt {row['id']!r} is text, and TARGET={TARGET} has no tokenizer to encode "
+                                     f"it: give its rows as input_ids")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        sys.exit(f"error: EVAL_PROMPTS={path}: {type(e).__name__ + ': ' if not isinstance(e, ValueError) else ''}{e}")
+    if not prompts:
+        sys.exit(f"error: EVAL_PROMPTS={path} holds no prompts (a JSONL of prompts, see eval_dflash.py)")
+    thinking = stats.get("thinking")
+    return {"prompts": prompts, "path": path, "enable_thinking": {"on": True, "off": False}.get(thinking), "tok": tok}
+
+
+def target_fingerprint(path) -> dict:
+    """What identifies a target without loading it: its config.json (hashed, less the fields a re-save changes) and
+    its weight files' headers plus their first MiB of tensor data (another checkpoint of the same architecture
+    differs there)."""
+    path = Path(path).expanduser()
+    cfg = json.loads((path / "config.json").read_text())
+    for k in ("_name_or_path", "transformers_version"):
+        cfg.pop(k, None)
+    weights = hashlib.sha256()
+    for f in sorted(p for pat in WEIGHT_FILES for p in path.glob(pat)):
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if f.suffix == ".safetensors" else 0
+            weights.update(f.name.encode() + head + fh.read(n + (1 << 20)))
+    config_sha = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    return {"path": str(path.resolve()), "config_sha256": config_sha, "weights_sha256": weights.hexdigest()}
+
+
+# drafter config field -> the setting that decides it (fields not listed come from the target's config)
+SHAPED_BY = {"num_hidden_layers": "NUM_DRAFT_LAYERS", "block_size": "BLOCK_SIZE",
+             "target_layer_ids": "TARGET_LAYER_IDS", "mask_token_id": "MASK_TOKEN_ID",
+             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW"}
+
+
+def resume_mismatches(meta: dict, dcfg, fingerprint: dict) -> list[str]:
+    """What a checkpoint was written for that this run would change: the drafter's shape (by setting) and the target
+    (by fingerprint). -> one line per difference, naming the setting and both values."""
+    errs = []
+    old = meta.get("drafter") or {}
+    for field, new in dcfg.__dict__.items():
+        if field in old and old[field] != new:
+            name = SHAPED_BY.get(field, f"TARGET (its config's {field})")
+            errs.append(f"{name}: the checkpoint has {field}={old[field]}, this run {new}")
+    was = meta.get("target")
+    if was and (was["config_sha256"], was["weights_sha256"]) != (fingerprint["config_sha256"],
+                                                                 fingerprint["weights_sha256"]):
+        what = "config and weights" if was["config_sha256"] != fingerprint["config_sha256"] else "weights"
+        errs.append(f"TARGET: the checkpoint was trained on {was['path']} (config {was['config_sha256'][:12]}, weights "
+                    f"{was['weights_sha256'][:12]}), this run's {fingerprint['path']} has other {what} (config "
+                    f"{fingerprint['config_sha256'][:12]}, weights {fingerprint['weights_sha256'][:12]})")
+    return errs
 
 
 # --- distributed setup --------------------------------------------------------------------------------------------
@@ -467,8 +582,8 @@ class Schedule:
 
     def lr(self, g):
         warm = WARMUP_RATIO * self.planned_g
-        if g < warm:
-            return LR * (g + 1) / warm
+        if g < warm:   # capped: a warmup shorter than one optimizer step (fractional warm) must not overshoot LR
+            return LR * min(1.0, (g + 1) / warm)
         return LR * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.planned_g - warm))))
 
 
@@ -547,15 +662,17 @@ def produce(d, data, sched, target, start_g, stop_g, watchdog, clock=None, stats
                     ids, attn = ids.pin_memory(), attn.pin_memory()
                 q_pre.put((g, ids, mask, attn, lens))
             q_pre.put(None)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             if watchdog:
-                watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}")
-            raise
+                watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}", traceback.format_exc())
+            q_pre.put(e)   # the one-process mode has no watchdog: its feeder thread raises it on
     threading.Thread(target=prefetch, daemon=True, name="prefetch").start()
     while True:
         item = q_pre.get()
         if item is None:
             return
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"prefetch thread: {type(item).__name__}: {item}") from item
         g, ids, mask, attn, lens = item
         if g >= stop_g():
             return
@@ -589,15 +706,14 @@ def colocated_feed(d, data, sched, target, start_g, stop_g, prepare):
                 for p in packets:
                     item = prepare(p)
                     q.put((item, stream.record_event() if cuda else None))
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            import traceback
-            q.put((e, traceback.format_exc()))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread (its traceback travels with it)
+            q.put((e, None))
     threading.Thread(target=feed, daemon=True, name="feeder").start()
 
     def next_item():
         item, done = q.get()
         if isinstance(item, BaseException):
-            raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}\n{done}")
+            raise RuntimeError(f"feeder thread (target forward + prepare): {type(item).__name__}: {item}") from item
         return handoff(item, done, d.device)
     next_item.queues = lambda: ([pre.get("q", 0)], [q.qsize()])
     return next_item
@@ -808,8 +924,12 @@ def main(argv):
     stop_flag = threading.Event()
 
     def on_signal(signum, _frame):
+        name = signal.Signals(signum).name
+        if stop_flag.is_set():   # the second one: the next step may never come (a stuck rank, a wait on input)
+            fail(f"got a second {name}: ending now, without a checkpoint; RESUME=auto continues from the newest "
+                 f"complete one in {ck_root}")
         stop_flag.set()  # acted on at the next optimizer step boundary
-        log(f"[rank {d.rank} {d.role}] got {signal.Signals(signum).name}: saving a checkpoint at the next step")
+        log(f"[rank {d.rank} {d.role}] got {name}: saving a checkpoint at the next step (send it again to end now)")
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
@@ -821,6 +941,17 @@ def main(argv):
             tok = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
         except (OSError, ValueError):
             tok = None
+        stats = read_stats(DATA)
+        if tok is not None and stats:
+            errs = check_data_tokenizer(stats, tok)
+            if errs:
+                sys.exit("error: DATA does not match TARGET:\n  - " + "\n  - ".join(errs))
+        elif d.is_master and stats.get("tokenizer_hash"):
+            log(f"NOTE: TARGET={TARGET} has no tokenizer: DATA's tokenizer ({stats.get('tokenizer')}) is not checked")
+        eval_setup = eval_inputs(tok, stats) if EVAL_EVERY else None
+        if eval_setup and d.is_master:
+            log(f"eval: every {EVAL_EVERY} checkpoint(s), {len(eval_setup['prompts'])} prompts of {eval_setup['path']}, "
+                f"thinking={stats.get('thinking') or 'the template default'} (as DATA was prepared)")
         mask_id = MASK_TOKEN_ID
         if mask_id < 0:
             if tok is None:
@@ -860,6 +991,11 @@ def main(argv):
 
         # -- where to start: checkpoint choice is made by the master and shared through the store --
         resume_path = None
+        if d.is_master and not DRY_RUN:   # one job per OUT_DIR, from here to the process's exit
+            try:
+                ckpt.lock_out_dir(out_dir, log=log)
+            except ckpt.CheckpointError as e:
+                fail(str(e))
         if d.is_master:
             existing = ckpt.list_checkpoints(ck_root)
             if RESUME == "scratch" and existing:
@@ -880,6 +1016,19 @@ def main(argv):
         elif d.store:
             resume_path = d.store.get("resume_path").decode() or None
         meta = ckpt.read_meta(resume_path) if resume_path else None
+        fingerprint = target_fingerprint(TARGET)
+        if meta:   # what shapes the drafter, and the target it learned, must be the checkpoint's: else refuse now
+            errs = resume_mismatches(meta, dcfg, fingerprint)
+            if errs:
+                fail(f"cannot resume {resume_path}: this run differs in what the checkpoint was trained for:\n  - "
+                     + "\n  - ".join(errs) + "\nResume with the checkpoint's settings and TARGET, or start over in "
+                     f"another OUT_DIR")
+            if d.is_master and not meta.get("target"):
+                log(f"WARNING: {resume_path} records no target fingerprint (written by an older version): the TARGET "
+                    f"is not checked against it")
+            elif d.is_master and meta["target"]["path"] != fingerprint["path"]:
+                log(f"NOTE: TARGET moved since the checkpoint ({meta['target']['path']} -> {fingerprint['path']}); "
+                    f"same config and weights")
 
         start_g, step, planned_g = 0, 0, None
         if meta:
@@ -951,7 +1100,8 @@ def main(argv):
                         "drafter": dcfg.__dict__, "data": {"rows": data.num_rows, "trainable": len(data.rows),
                                                            "dropped": data.dropped, "content_hash": data.content_hash,
                                                            "num_batches": data.plan.num_batches},
-                        "resumed_from": str(resume_path) if resume_path else None, "time": time.time()}
+                        "target": fingerprint, "resumed_from": str(resume_path) if resume_path else None,
+                        "time": time.time()}
             (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
 
         stop_g = [sched.total_g]
@@ -1052,7 +1202,7 @@ def main(argv):
             next_item = receiver.get
             watchdog.state = "waiting for the first micro-batch (queues filling)"
         train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config,
-              ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None)
+              ck_root, watchdog, stop_flag, next_item, receiver if not d.colocated else None, eval_setup)
         log_peak_memory(d)
         finish(d, watchdog, code=0)
     except SystemExit as e:
@@ -1063,7 +1213,6 @@ def main(argv):
             raise
         raise
     except Exception as e:  # noqa: BLE001 - every failure ends the whole job with a reason
-        import traceback
         reason = f"{type(e).__name__}: {e}"
         if "out of memory" in str(e).lower() and torch.cuda.is_available():
             gib = 2 ** 30
@@ -1124,7 +1273,7 @@ def finish(d, watchdog, code):
 
 
 def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_steps, config, ck_root,
-          watchdog, stop_flag, next_item, receiver):
+          watchdog, stop_flag, next_item, receiver, eval_setup=None):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -1134,6 +1283,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
     from model.objective import block_metrics, weighted_ce
 
     out_dir = Path(OUT_DIR)
+    fingerprint = target_fingerprint(TARGET)   # in every checkpoint: a resume checks its target against it
     metrics = Metrics(out_dir, config) if d.is_master else None
     if watchdog and metrics:
         watchdog.on_abort.append(metrics.flush)
@@ -1167,7 +1317,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         meta = {"step": step_now, "next_g": g_now, "planned_g": sched.planned_g, "epoch": g_now / data.plan.num_batches,
                 "split": [d.n_targets, d.n_drafters], "config": config, "env": ckpt.environment(),
                 "data": {"rows": data.num_rows, "num_batches": data.plan.num_batches, "content_hash": data.content_hash},
-                "drafter": dcfg.__dict__, "time": time.time()}
+                "drafter": dcfg.__dict__, "target": fingerprint, "time": time.time()}
         t = time.time()
         try:
             path = ckpt.save(ck_root, step_now, state, meta, lambda p: export_drafter(drafter, p), KEEP_LAST)
@@ -1179,29 +1329,29 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
             evaluate_now(step_now)
 
     saves = [0]
-    evaluator = {}   # the HF target, tokenizer, prompts and greedy references, loaded at the first evaluation
+    evaluator = {"reference": {}}   # greedy reference decodes, kept: they depend on the target and prompts only
 
     def evaluate_now(step_now):
         """tau of the current drafter on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
-        filling the queues, so the pipeline stalls no longer than the evaluation itself."""
-        from eval_dflash import evaluate, load_prompts
+        filling the queues. The watchdog knows (its stall check pauses), and the HF target it loads in EVAL_DTYPE
+        is freed afterwards (planner.py counts it in the drafter's peak)."""
+        from eval_dflash import evaluate
+        from transformers import AutoModelForCausalLM
         opt.wait_all()
         t = time.time()
-        if not evaluator:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
-                                                         attn_implementation="sdpa",
-                                                         local_files_only=True).to(d.device).eval()
-            evaluator.update(model=model, tok=AutoTokenizer.from_pretrained(TARGET, local_files_only=True),
-                             prompts=load_prompts(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl",
-                                                  limit=EVAL_LIMIT), reference={})
-        if watchdog:
-            watchdog.state = f"evaluating tau at step {step_now}"
-        drafter.eval()
-        with torch.no_grad():
-            res = evaluate(evaluator["model"], evaluator["tok"], drafter, evaluator["prompts"],
-                           max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
-                           reference=evaluator["reference"], log=None)
+        with watchdog.pause(f"evaluating tau at step {step_now}") if watchdog else contextlib.nullcontext():
+            target_model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
+                                                                attn_implementation="sdpa",
+                                                                local_files_only=True).to(d.device).eval()
+            drafter.eval()
+            with torch.no_grad():
+                res = evaluate(target_model, eval_setup["tok"], drafter, eval_setup["prompts"],
+                               max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
+                               reference=evaluator["reference"], enable_thinking=eval_setup["enable_thinking"],
+                               log=None)
+            del target_model
+            if d.device.type == "cuda":
+                torch.cuda.empty_cache()   # give the evaluation's memory back to training
         drafter.train()
         last_eval.update(tau=res["tau"], lossless=res["lossless"])
         metrics.write({"time": time.time(), "step": step_now, "tau": res["tau"], "lossless": res["lossless"],
@@ -1211,7 +1361,7 @@ def train(d, dcfg, model, drafter, opt, embed, head_w, sched, data, step, total_
         # matches training; tf_streak far below the status line's streak = the drafter does not generalise to them
         tf = res.get("tf_streak")
         log(f"eval step {step_now}: tau={res['tau']:.2f} lossless={'yes' if res['lossless'] else 'no'} "
-            f"prompts={len(evaluator['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
+            f"prompts={len(eval_setup['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
             f"({time.time() - t:.0f}s)")
 
     last_eval = {}

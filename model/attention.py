@@ -185,8 +185,14 @@ def block_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
     runs = cd[torch.cat([torch.tensor([True]), cd[1:] != cd[:-1]])]                    # one entry per run of a doc
     runs = runs[runs >= 0]                                                               # padding (-1) may repeat
     if runs.numel() != torch.unique(runs).numel() or N == 0:
-        return block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block, sliding_window,
-                                    _pad_unit(pad_to, device), lengths).to(device)
+        ref = block_mask_reference(ap, ad, cd, block_size, causal_block, sliding_window, _pad_unit(pad_to, device),
+                                   lengths)
+        # moving a BlockMask moves its index tensors, not the tensors its mask_mod captured: give the moved mask a
+        # mask_mod over copies on `device` (a CPU tensor read inside a GPU kernel is an illegal access)
+        out = block_mask_to(ref, device)
+        out.mask_mod = dflash_mask_mod(**_mask_args(*(to_device(x, device) for x in (ap, ad, cd)), block_size,
+                                                    causal_block, sliding_window))
+        return out
     TILE = FLEX_BLOCK
     q_tiles = -(-q_len // TILE)
     kv_tiles = -(-kv_len // TILE)

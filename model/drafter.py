@@ -13,8 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from model import attention
-from model.attention import AttnSpec, make_attn_spec
+# relative, so model/export.py can ship this file and attention.py beside the weights (model/modeling_dflash.py)
+from . import attention
+from .attention import AttnSpec, make_attn_spec
 
 
 def default_layer_ids(n_layers: int, k: int) -> list[int]:
@@ -74,6 +75,34 @@ class DrafterConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @classmethod
+    def from_serving(cls, c: dict) -> "DrafterConfig":
+        """The config.json of an export (model/export.py serving_config), read by transformers 4 or 5 alike."""
+        rp = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or {k: v for k, v in rp.items() if k != "rope_theta"}
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return cls(
+            hidden_size=c["hidden_size"],
+            num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_key_value_heads"],
+            head_dim=c["head_dim"],
+            intermediate_size=c["intermediate_size"],
+            rms_norm_eps=c["rms_norm_eps"],
+            rope_theta=float(c.get("rope_theta") or rp.get("rope_theta") or 10000.0),
+            rope_scaling=scaling or None,
+            max_position_embeddings=c["max_position_embeddings"],
+            num_hidden_layers=c["num_hidden_layers"],
+            num_target_layers=c["num_target_layers"],
+            target_layer_ids=list(c["dflash_config"]["target_layer_ids"]),
+            block_size=c["block_size"],
+            mask_token_id=c["dflash_config"]["mask_token_id"],
+            vocab_size=c["vocab_size"],
+            layer_types=list(c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]),
+            sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None,
+            attention_bias=c.get("attention_bias", False),
+        )
 
     @classmethod
     def from_target(cls, target_hf_config, num_layers, block_size, mask_token_id, target_layer_ids=None,

@@ -1,5 +1,7 @@
-"""Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields) and model.safetensors with
-bare keys, which SGLang, vLLM and z-lab's DFlashDraftModel load (spec section 3)."""
+"""Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields), model.safetensors with bare
+keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (spec section 3), and the modeling code
+for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`: modeling_dflash.py with
+this project's drafter.py and attention.py beside it (REMOTE_CODE)."""
 import json
 import os
 import shutil
@@ -10,6 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from model.drafter import Drafter, DrafterConfig
 
+MODEL_DIR = Path(__file__).resolve().parent
+REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py")   # copied into every export, as they are
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -19,6 +23,7 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     return {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},   # trust_remote_code: the files beside it
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -51,38 +56,11 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def config_from_serving(c: dict) -> DrafterConfig:
-    rp = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {k: v for k, v in rp.items() if k != "rope_theta"}
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return DrafterConfig(
-        hidden_size=c["hidden_size"],
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"],
-        head_dim=c["head_dim"],
-        intermediate_size=c["intermediate_size"],
-        rms_norm_eps=c["rms_norm_eps"],
-        rope_theta=float(c.get("rope_theta") or rp.get("rope_theta") or 10000.0),
-        rope_scaling=scaling or None,
-        max_position_embeddings=c["max_position_embeddings"],
-        num_hidden_layers=c["num_hidden_layers"],
-        num_target_layers=c["num_target_layers"],
-        target_layer_ids=list(c["dflash_config"]["target_layer_ids"]),
-        block_size=c["block_size"],
-        mask_token_id=c["dflash_config"]["mask_token_id"],
-        vocab_size=c["vocab_size"],
-        layer_types=list(c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]),
-        sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None,
-        attention_bias=c.get("attention_bias", False),
-    )
-
-
-def export_drafter(drafter: Drafter, out_dir, dtype=None) -> Path:
-    """Write config.json + model.safetensors to out_dir atomically (tmp folder, then os.replace).
-    dtype: cast the weights on the way out (default: keep the drafter's)."""
+def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16) -> Path:
+    """Write config.json, model.safetensors and the modeling code (REMOTE_CODE) to out_dir atomically (tmp folder,
+    then os.replace). dtype: the weights' on the way out; bf16 by default, what serving runs next to a bf16 target
+    (the trainer's fp32 master weights stay in its state.pt)."""
     out = Path(out_dir)
-    dtype = dtype or next(drafter.parameters()).dtype
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -90,6 +68,8 @@ def export_drafter(drafter: Drafter, out_dir, dtype=None) -> Path:
     with open(tmp / "config.json", "w") as f:
         json.dump(serving_config(drafter.config, dtype), f, indent=2)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name in REMOTE_CODE:
+        shutil.copyfile(MODEL_DIR / name, tmp / name)
     # os.replace cannot overwrite a non-empty folder: move the old one aside first, drop it after the swap
     old = out.with_name(f"{out.name}.old{os.getpid()}")
     if out.exists():
@@ -103,7 +83,7 @@ def load_drafter(path, device="cpu", dtype=None) -> Drafter:
     """Inverse of export_drafter: built on the meta device, weights assigned straight from the file."""
     path = Path(path)
     with open(path / "config.json") as f:
-        cfg = config_from_serving(json.load(f))
+        cfg = DrafterConfig.from_serving(json.load(f))
     with torch.device("meta"):
         drafter = Drafter(cfg)
     state = load_file(str(path / "model.safetensors"), device=str(device))

@@ -8,7 +8,8 @@ import torch.nn as nn
 
 class Target:
     """Frozen HF causal LM. features() runs decoder layers 0..max(layer_ids) only and returns their outputs
-    (decoder layer l == HF output_hidden_states[l + 1]) concatenated: [b, S, K*H]."""
+    concatenated, [b, S, K*H], equal to HF's output_hidden_states[l + 1]: the last decoder layer's entry there is
+    after the final norm, so a tap of the last layer is normed too (what eval_dflash and serving read)."""
 
     def __init__(self, path, device="cpu", dtype=torch.bfloat16, layer_ids=None):
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
@@ -31,6 +32,9 @@ class Target:
         self.layer_ids = list(layer_ids) if layer_ids is not None else []
         assert all(0 <= l < self.num_layers for l in self.layer_ids), \
             f"layer_ids {self.layer_ids} outside 0..{self.num_layers - 1}"
+        if self.num_layers - 1 in self.layer_ids and not isinstance(getattr(self.decoder, "norm", None), nn.Module):
+            raise ValueError(f"{type(self.decoder).__name__} has no final norm (.norm) to apply to its last layer "
+                             f"{self.num_layers - 1}, which is tapped: tap an earlier layer (TARGET_LAYER_IDS)")
         self.embed_tokens: nn.Embedding = self.model.get_input_embeddings()
         self.lm_head_weight: torch.Tensor = self.model.get_output_embeddings().weight   # [V, H], may be tied
         self.device, self.dtype = torch.device(device), self.embed_tokens.weight.dtype
@@ -77,6 +81,9 @@ class Target:
             for h in hooks:
                 h.remove()
             self.decoder.layers = full
+        last = self.num_layers - 1
+        if last in taps:
+            taps[last] = self.decoder.norm(taps[last])
         return torch.cat([taps[l] for l in layer_ids], dim=-1)                 # [b, S, K*H]
 
 

@@ -1,4 +1,5 @@
-"""Serving format: exact round trip, exact key names and config fields."""
+"""Serving format: exact round trip, exact key names and config fields, the folder read the way transformers'
+AutoModel (trust_remote_code), SGLang, vLLM and vLLM's speculators converter read it."""
 import json
 
 import torch
@@ -9,8 +10,8 @@ from model.export import export_drafter, load_drafter
 
 def test_round_trip_exact(build_drafter, tiny_llama_dir, tmp_path):
     d = build_drafter(tiny_llama_dir, num_layers=3, block_size=8, sliding_window_layers=1, sliding_window=32)
-    out = export_drafter(d, tmp_path / "drafter")
-    out = export_drafter(d, tmp_path / "drafter")                     # overwriting an existing export works
+    out = export_drafter(d, tmp_path / "drafter", dtype=torch.float32)
+    out = export_drafter(d, tmp_path / "drafter", dtype=torch.float32)   # overwriting an existing export works
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"], "no tmp/old folders left behind"
     d2 = load_drafter(out, device="cpu")
     assert d2.config == d.config
@@ -18,6 +19,10 @@ def test_round_trip_exact(build_drafter, tiny_llama_dir, tmp_path):
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
     d3 = load_drafter(out, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in d3.parameters())
+    # the default export is bf16: the fp32 master weights rounded once
+    served = load_file(export_drafter(d, tmp_path / "bf16") / "model.safetensors")
+    assert all(served[k].dtype == torch.bfloat16 and torch.equal(served[k], v.bfloat16()) for k, v in s1.items())
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_qwen3_export_keys_and_config(build_drafter, tiny_qwen3_dir, tmp_path):
@@ -51,7 +56,97 @@ def test_qwen3_export_keys_and_config(build_drafter, tiny_qwen3_dir, tmp_path):
     assert cfg["block_size"] == B and cfg["num_target_layers"] == hf.num_hidden_layers
     assert cfg["dflash_config"] == {"mask_token_id": hf.vocab_size - 1,
                                     "target_layer_ids": d.config.target_layer_ids}
-    assert cfg["dtype"] == "float32"
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     # and transformers itself reads it back as the same Qwen3 config
     q = Qwen3Config.from_pretrained(out)
     assert q.rope_parameters["rope_theta"] == cfg["rope_theta"] and q.num_hidden_layers == L
+
+
+def test_export_loads_with_automodel_trust_remote_code(build_drafter, tiny_qwen3_dir, tmp_path):
+    """z-lab's documented path, AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto"): the folder's own
+    modeling code (this project's drafter.py, copied), bf16 as exported, the same weights and outputs as
+    load_drafter's."""
+    from transformers import AutoModel
+    from model.objective import pack
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4, sliding_window_layers=1, sliding_window=16)
+    out = export_drafter(d, tmp_path / "drafter")
+    assert sorted(p.name for p in out.iterdir()) == ["attention.py", "config.json", "drafter.py", "model.safetensors",
+                                                     "modeling_dflash.py"]
+    m = AutoModel.from_pretrained(out, trust_remote_code=True, dtype="auto", local_files_only=True).eval()
+    assert type(m).__name__ == "DFlashDraftModel" and {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    ours = load_drafter(out)
+    assert m.block_size == 4 and m.mask_token_id == d.config.mask_token_id
+    assert m.drafter.config.__dict__ == d.config.__dict__     # a DrafterConfig of the copied module, same fields
+    want, got = ours.state_dict(), m.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    g = torch.Generator().manual_seed(0)
+    doc, pos = pack(torch.tensor([9, 7]))
+    anchors = torch.tensor([2, 11])
+    feats = torch.randn(16, d.config.num_taps * d.config.hidden_size, generator=g).bfloat16()
+    emb = torch.randn(8, d.config.hidden_size, generator=g).bfloat16()
+    bpos = torch.cat([pos[a] + torch.arange(4) for a in anchors])
+    attn = ours.attn_spec(anchors, doc[anchors], doc)
+    with torch.no_grad():
+        assert torch.equal(m(feats, pos, emb, bpos, attn), ours(feats, pos, emb, bpos, attn))
+
+
+def test_export_reads_as_the_sglang_and_vllm_loaders_read_it(build_drafter, tiny_qwen3_dir, tmp_path):
+    """The config keys (with their types) and weights that the public DFlash loaders read, checked the way they read
+    them (written from their code, not copied): SGLang python/sglang/srt/models/dflash.py with
+    speculative/dflash_utils.py parse_dflash_draft_config; vLLM vllm/model_executor/models/qwen3_dflash.py with
+    get_eagle3_aux_layers_from_config; vllm-project/speculators convert/dflash/converter.py."""
+    from numbers import Integral
+    from transformers import AutoConfig, Qwen3Config
+    d = build_drafter(tiny_qwen3_dir, num_layers=3, block_size=8, sliding_window_layers=1, sliding_window=32)
+    out = export_drafter(d, tmp_path / "drafter")
+    raw = json.loads((out / "config.json").read_text())
+    sd = load_file(out / "model.safetensors")
+    n_target = AutoConfig.from_pretrained(tiny_qwen3_dir).num_hidden_layers
+    H = raw["hidden_size"]
+
+    # both serving stacks build the config with transformers from model_type, and pick the class by architectures
+    cfg = AutoConfig.from_pretrained(out)
+    assert isinstance(cfg, Qwen3Config) and "DFlashDraftModel" in cfg.architectures
+
+    # SGLang: dflash_config first, then the top level; ints (not bools) in range
+    dc = cfg.dflash_config
+    L = raw["num_hidden_layers"]
+    n_tgt = dc.get("num_target_layers", raw.get("num_target_layers"))
+    block = dc.get("block_size", raw.get("block_size"))
+    ids = dc.get("target_layer_ids", raw.get("target_layer_ids"))
+    mask = dc.get("mask_token_id")
+    assert isinstance(L, int) and L >= 1 and isinstance(n_tgt, int) and n_tgt == n_target and block == 8
+    assert isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < n_tgt for i in ids)
+    assert isinstance(mask, Integral) and not isinstance(mask, bool) and 0 <= mask < raw["vocab_size"]
+    assert isinstance(dc.get("mask_token", "<|MASK|>"), str)
+    assert raw["hidden_act"] == "silu" and raw["intermediate_size"] > 0
+    assert len(cfg.layer_types) == L and set(cfg.layer_types) <= {"full_attention", "sliding_attention"}
+    assert cfg.sliding_window == 32                                    # the window of its sliding layers
+    assert sd["fc.weight"].shape == (H, len(ids) * H)                   # fc input: one hidden state per tap
+
+    # vLLM: aux layers are DFlash's ids + 1 (HF hidden_states indices); sliding layers are causal, full ones not;
+    # RoPE from rope_parameters; q/k/v and gate/up stacked from the separate tensors
+    aux = [i + 1 for i in dc["target_layer_ids"]]
+    assert getattr(cfg, "eagle_aux_hidden_state_layer_ids", None) is None and all(1 <= a <= n_tgt for a in aux)
+    assert sd["fc.weight"].shape[1] == (getattr(cfg, "target_hidden_size", None) or H) * len(aux)
+    assert [lt == "sliding_attention" for lt in cfg.layer_types] == [False, False, True]
+    assert dc.get("use_swa", False) is False and dc.get("causal") is None and getattr(cfg, "is_causal", None) is None
+    assert cfg.rope_parameters["rope_theta"] == d.config.rope_theta
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    for i in range(L):
+        pre = f"layers.{i}."
+        assert sd[pre + "self_attn.q_proj.weight"].shape == (nh * hd, H)
+        assert sd[pre + "self_attn.k_proj.weight"].shape == sd[pre + "self_attn.v_proj.weight"].shape == (nkv * hd, H)
+        assert sd[pre + "self_attn.q_norm.weight"].shape == sd[pre + "self_attn.k_norm.weight"].shape == (hd,)
+        assert sd[pre + "mlp.gate_proj.weight"].shape == sd[pre + "mlp.up_proj.weight"].shape == \
+            (cfg.intermediate_size, H)
+    assert {"norm.weight", "hidden_norm.weight"} <= set(sd) and not any("embed" in k or "lm_head" in k for k in sd)
+    assert {t.dtype for t in sd.values()} == {torch.bfloat16} and cfg.dtype == torch.bfloat16
+
+    # speculators' converter: block_size at the top or in dflash_config, target_layer_ids and vocab_size required;
+    # its transformer config is the rest, a Qwen3 config
+    assert raw.get("block_size") or dc.get("block_size")
+    rest = {k: v for k, v in raw.items()
+            if k not in {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"}}
+    assert Qwen3Config(**rest).num_hidden_layers == L and isinstance(rest["vocab_size"], int)

@@ -348,13 +348,17 @@ def test_fallback_skips_a_missing_folder_in_the_middle(tmp_path):
 
 
 def test_half_written_folder_is_never_a_checkpoint_and_is_cleaned(tmp_path):
-    save_tiny(tmp_path, 1)
-    stale = tmp_path / ".tmp-step_000002"        # what a writer killed mid-save leaves
+    root = tmp_path / "checkpoints"
+    save_tiny(root, 1)
+    stale = root / ".tmp-step_000002"            # what a writer killed mid-save leaves, or another job's save
     stale.mkdir()
     (stale / "state.pt").write_bytes(b"half")
-    assert ckpt.list_checkpoints(tmp_path) == [ckpt.step_dir(tmp_path, 1)]
-    assert ckpt.latest_complete(tmp_path) == ckpt.step_dir(tmp_path, 1)
-    save_tiny(tmp_path, 3, keep_last=0)          # keep everything: stale folders still go
+    assert ckpt.list_checkpoints(root) == [ckpt.step_dir(root, 1)]
+    assert ckpt.latest_complete(root) == ckpt.step_dir(root, 1)
+    save_tiny(root, 3, keep_last=0)
+    assert stale.exists(), "without OUT_DIR's lock a .tmp- folder may be another job's checkpoint being written"
+    ckpt.lock_out_dir(tmp_path)                  # the trainer holds it: no other job writes here, stale ones go
+    save_tiny(root, 4, keep_last=0)              # keep everything: stale folders still go
     assert not stale.exists()
 
 
@@ -597,3 +601,147 @@ def test_impossible_config_fails_before_any_model_loads(assets, tmp_path, nproc,
     assert "load target" not in log and "build drafter" not in log, "a model was loaded before the error"
     assert "Traceback" not in re.split(r"torch[/.]distributed[/.]elastic", r.stderr)[0], r.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- errors on a worker thread of the one-process mode ------------------------------------------------------------------
+
+def test_one_process_mode_ends_on_an_error_in_its_feeder_thread(assets, faults, tmp_path):
+    """`python train_dflash.py`: the thread that pads micro-batches fails at its 3rd batch. The job ends with that
+    error (it waited forever for the next micro-batch before)."""
+    faults(BATCH_ERROR=3)
+    t = time.time()
+    r = runs.run(1, args(assets, tmp_path / "run"), timeout=90)
+    log = r.stdout + r.stderr
+    assert "FAULT: error in batch call 3" in log, log[-3000:]
+    assert r.returncode != 0 and time.time() - t < 60, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "injected fault in BatchPlan.batch(g=2)" in last, last
+
+
+def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tmp_path):
+    """The feeder thread hangs in its 3rd target forward: the first SIGTERM asks for a checkpoint at the next step,
+    which never comes; the second ends the job at once, saying so."""
+    faults(HANG_FORWARD=3)
+    cmd = [runs.sys.executable, str(runs.REPO / "train_dflash.py"), *args(assets, tmp_path / "run")]
+    proc = subprocess.Popen(cmd, cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        assert runs.wait_for(proc, "FAULT: hanging in target forward", 60, lines), "".join(lines)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert runs.wait_for(proc, "saving a checkpoint at the next step", 10, lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        code, rest, waited = runs.finish(proc, 20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines) + rest
+    assert code not in (0, None) and waited < 10, log[-3000:]
+    assert "error: got a second SIGTERM: ending now, without a checkpoint" in log, log[-3000:]
+
+
+# --- two jobs on one OUT_DIR --------------------------------------------------------------------------------------------
+
+def test_out_dir_lock_refuses_a_second_holder_and_survives_a_dead_one(tmp_path):
+    """flock semantics: a second open of the lock (another job) is refused with the holder's host and pid; the
+    lock of a process that was killed is free again, and the file's leftover name is reported."""
+    import socket
+    out = tmp_path / "out"
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=rf"OUT_DIR={out} is in use by another job \(host "
+                                                         rf"{socket.gethostname()} pid {holder.pid}\)"):
+            ckpt.lock_out_dir(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    notes = []
+    ckpt.lock_out_dir(out, log=notes.append)      # killed -9: the kernel dropped its lock
+    assert notes and f"names a job that is gone ({socket.gethostname()} {holder.pid})" in notes[0], notes
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}\n"
+
+
+def hold_lock(out):
+    """A process holding OUT_DIR's lock, as a running job does."""
+    p = subprocess.Popen([runs.sys.executable, "-c", "import time, checkpoint; "
+                          f"checkpoint.lock_out_dir({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
+                         cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_trainer_refuses_a_locked_out_dir_before_any_model_loads(assets, tmp_path):
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    try:
+        r = runs.run(1, args(assets, out))
+    finally:
+        holder.kill()
+        holder.wait()
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and f"OUT_DIR={out} is in use by another job (host " in log, log[-3000:]
+    assert f"pid {holder.pid})" in log and "load target" not in log and "Traceback" not in log, log[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [".lock"], "the refused job wrote nothing"
+
+
+@pytest.mark.slow
+def test_second_job_on_a_busy_out_dir_is_refused_before_any_model_loads(assets, faults, tmp_path):
+    out = tmp_path / "run"
+    faults(SLOW_FORWARD=1.0)                     # the first job (1 target + 1 drafter) runs ~10 s after its step 1
+    first = Job(args(assets, out, MAX_STEPS=STEPS), nproc=2)
+    try:
+        first.wait_for("step=1/")
+        faults()
+        r = runs.run(1, args(assets, out))
+        code, _ = first.finish(120)
+    finally:
+        first.close()
+    log = r.stdout + r.stderr
+    assert r.returncode != 0 and re.search(rf"OUT_DIR={out} is in use by another job \(host \S+ pid "
+                                           rf"{first.pids[1]}\)", log), log[-3000:]
+    assert "load target" not in log and "Traceback" not in log, log[-3000:]
+    assert code == 0 and f"done: {STEPS} steps" in first.text, first.text[-3000:]
+    assert steps_of(out) == list(range(2, STEPS + 1, 2)), "the first job's checkpoints are all there"
+
+
+# --- the in-training evaluation -------------------------------------------------------------------------------------
+
+def eval_assets(assets, tmp_path, thinking="off"):
+    """The dataset with a stats.json saying how it was prepared, and a prompts file of token ids (the tiny target
+    has no tokenizer)."""
+    target, data = assets
+    shutil.copytree(data, tmp_path / "data")
+    (tmp_path / "data" / "stats.json").write_text(json.dumps({"thinking": thinking}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 7, 7, 7, 9, 9]}) + "\n" for i in range(2)))
+    return target, tmp_path / "data", prompts
+
+
+def test_slow_evaluation_is_not_a_stall(assets, faults, tmp_path):
+    """EVAL_EVERY's evaluation holds the other ranks up for longer than STALL_TIMEOUT: the watchdog knows it is an
+    evaluation (it ended the job as a stall before). It also renders prompts in the dataset's thinking mode."""
+    target, data, prompts = eval_assets(assets, tmp_path)
+    faults(SLOW_EVAL=7)
+    r = runs.run(2, runs.base_args(target, data, tmp_path / "run", MAX_STEPS=2, SAVE_EVERY=2, EVAL_EVERY=1,
+                                   EVAL_PROMPTS=prompts, EVAL_LIMIT=2, EVAL_MAX_NEW_TOKENS=4, STALL_TIMEOUT=3))
+    completed(r, steps=2)
+    log = r.stdout + r.stderr
+    assert "FAULT: slow evaluation, 7s (enable_thinking=False)" in log, log[-3000:]
+    assert "eval: every 1 checkpoint(s), 2 prompts of" in log and "thinking=off (as DATA was prepared)" in log
+    assert [m["step"] for m in runs.metrics(tmp_path / "run") if "tau" in m] == [2]
+
+
+@pytest.mark.parametrize("row,message", [
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}', "has no user turn"),
+    ('{"prompt": "hello"}', "is text, and TARGET=\\S+ has no tokenizer"),
+    ('{"text": "hello"}', "a prompt row needs `messages`, `prompt` or `input_ids`"),
+    ('not json', "prompts.jsonl:2: not JSON"),
+    ('', "holds no prompts"),
+], ids=["no-user-turn", "text-without-tokenizer", "no-prompt", "not-json", "empty"])
+def test_bad_eval_prompts_are_refused_at_start_up(assets, tmp_path, row, message):
+    target, data, prompts = eval_assets(assets, tmp_path)
+    prompts.write_text((prompts.read_text().splitlines()[0] + "\n" + row + "\n") if row else "")
+    r = runs.run(1, args(assets, tmp_path / "run", EVAL_EVERY=1, EVAL_PROMPTS=prompts))
+    assert r.returncode != 0 and re.search(message, r.stderr), r.stdout[-2000:] + r.stderr[-2000:]
+    assert "load target" not in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]

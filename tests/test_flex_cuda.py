@@ -55,3 +55,19 @@ def test_compiled_flex_matches_sdpa_fwd_bwd(build_drafter, tiny_qwen3_dir):
     t.start()
     t.join()
     assert not errors, errors
+
+
+def test_fallback_block_mask_planned_on_cpu_runs_on_the_gpu():
+    """Interleaved documents take block_mask's reference path; planned on the CPU for the GPU (as the trainer plans),
+    its mask_mod must read GPU tensors: flex's output equals SDPA with the dense mask."""
+    from model.attention import block_mask, dense_mask, run_flex
+    doc = torch.tensor([0] * 40 + [1] * 40 + [0] * 40)            # document 0 in two pieces
+    anchors = torch.tensor([5, 45, 85, 100])
+    bm = block_mask(anchors, doc[anchors], doc, 16, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    M, T = 4 * 16, len(doc)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).cuda() for n in (M, T + M, T + M))
+    got = run_flex(q, k, v, bm, False)
+    dense = dense_mask(anchors.cuda(), doc[anchors].cuda(), doc.cuda(), 16)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

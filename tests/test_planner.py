@@ -290,3 +290,22 @@ def test_estimate_within_10_percent_of_the_measured_peaks(what, gpus, role, cfg,
     rank's (it counted 1)."""
     est = planner.estimate(bench_cfg(MAX_LEN=3072, **cfg), bd.hf_config("qwen3-8b"), gpus)["roles"][role]["total"]
     assert 0.9 <= est / (gib * GiB) <= 1.1, f"{what}: estimate {est / GiB:.2f} GiB vs measured {gib} GiB"
+
+
+def test_the_evaluation_target_is_planned():
+    """EVAL_EVERY loads a second HF target in EVAL_DTYPE on the master drafter's GPU (about 33 GB in float32 for an
+    8B target): a phase of its own in the drafter role, so a config whose evaluation cannot fit is refused at start."""
+    hf = bd.hf_config("qwen3-8b")
+    off, on, half = (planner.estimate(bench_cfg(**kw), hf, 2)["roles"]["drafter"]
+                     for kw in (dict(EVAL_EVERY=0), dict(EVAL_EVERY=1), dict(EVAL_EVERY=1, EVAL_DTYPE="bfloat16")))
+    assert "evaluation" not in off["phases"]
+    tparams = planner.estimate(bench_cfg(), hf, 2)["derived"]["target_params"]
+    assert 7.5e9 < tparams < 8.5e9
+    assert on["phases"]["evaluation"] == 4 * tparams and half["phases"]["evaluation"] == 2 * tparams
+    assert on["total"] == on["static"] + max(on["phases"].values()) >= off["static"] + 4 * tparams
+    colocated = planner.estimate(bench_cfg(EVAL_EVERY=1), hf, 1)["roles"]["target+drafter"]
+    assert colocated["phases"]["drafter evaluation"] == 4 * tparams
+    small = 40 * GiB
+    assert planner.check_fits(planner.estimate(bench_cfg(EVAL_EVERY=0), hf, 2, small), small) == []
+    assert any(e.startswith("drafter role") and "(evaluation)" in e
+               for e in planner.check_fits(planner.estimate(bench_cfg(EVAL_EVERY=1), hf, 2, small), small))

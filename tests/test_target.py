@@ -9,11 +9,11 @@ from model.drafter import DrafterConfig
 from model.target import Target, check_mask_token_id, default_mask_token_id
 
 
-@pytest.mark.parametrize("target", ["tiny_qwen3_dir", "tiny_llama_dir"])
-def test_features_equal_hf_hidden_states(request, target):
+@pytest.mark.parametrize("target,layer_ids", [("tiny_qwen3_dir", [0, 2, 3]), ("tiny_llama_dir", [0, 2, 3]),
+                                              ("tiny_llama_dir", [1, 5])])   # 5: the last layer, after the norm
+def test_features_equal_hf_hidden_states(request, target, layer_ids):
     from transformers import AutoModelForCausalLM
     path = request.getfixturevalue(target)
-    layer_ids = [0, 2, 3]
     t = Target(path, dtype=torch.float32, layer_ids=layer_ids)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (2, 10), generator=g)
@@ -24,8 +24,8 @@ def test_features_equal_hf_hidden_states(request, target):
     got = t.features(ids, mask)
     for h in hooks:
         h.remove()
-    assert ran == [0, 1, 2, 3], "only the layers up to the last tap run"
-    assert got.shape == (2, 10, 3 * 64)
+    assert ran == list(range(max(layer_ids) + 1)), "only the layers up to the last tap run"
+    assert got.shape == (2, 10, len(layer_ids) * 64)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         hs = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states

@@ -316,3 +316,77 @@ def test_dpace_run_logs_both_losses(assets, tmp_path):
     row = metrics(tmp_path / "exp")[0]
     assert row["objective"] == row["loss"] and " dpace=" not in r.stdout
     assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)   # step 1: same weights, same yardstick
+
+
+def test_resume_refuses_changed_drafter_settings_and_another_target(assets, tmp_path):
+    """Before any model loads: another BLOCK_SIZE (it continued silently), NUM_DRAFT_LAYERS (a raw load_state_dict
+    error) or a different target of the same sizes (it continued silently) is refused, naming the setting and both
+    values."""
+    import checkpoint as ckpt
+    import train_dflash as td
+    from model.drafter import DrafterConfig
+    target, data = assets
+    out = tmp_path / "out"
+    ok(run(1, base_args(target, data, out, MAX_STEPS=2)))
+    other = make_target(tmp_path / "other", seed=1)                     # same config, other weights
+    r = run(1, base_args(other, data, out, MAX_STEPS=4, BLOCK_SIZE=8))
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "BLOCK_SIZE: the checkpoint has block_size=4, this run 8" in r.stderr, r.stderr[-2000:]
+    assert f"TARGET: the checkpoint was trained on {target.resolve()} (config " in r.stderr and \
+        f"this run's {other.resolve()} has other weights" in r.stderr, r.stderr[-2000:]
+    assert "load target" not in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+    meta = ckpt.read_meta(ckpt.latest_complete(out / "checkpoints"))
+    cfg = DrafterConfig(**meta["drafter"])
+    fp = td.target_fingerprint(target)
+    assert td.resume_mismatches(meta, cfg, fp) == []
+    deeper = DrafterConfig(**{**meta["drafter"], "num_hidden_layers": 2, "layer_types": []})
+    assert td.resume_mismatches(meta, deeper, fp) == [
+        "NUM_DRAFT_LAYERS: the checkpoint has num_hidden_layers=1, this run 2",
+        "SLIDING_WINDOW_LAYERS: the checkpoint has layer_types=['full_attention'], this run "
+        "['full_attention', 'full_attention']"]
+    moved = tmp_path / "moved"
+    target.rename(moved)                                                 # a moved folder is the same target
+    assert td.resume_mismatches(meta, cfg, td.target_fingerprint(moved)) == []
+
+
+def qwen3_tokenizer_dir(tmp_path):
+    """The real Qwen3 tokenizer in a folder (tests/fixtures stores tokenizer.json xz-compressed)."""
+    import lzma
+    import shutil
+    d = tmp_path / "qwen3_tokenizer"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes(lzma.open(QWEN3_TOKENIZER / "tokenizer.json.xz").read())
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", d)
+    return d
+
+
+QWEN3_TOKENIZER = REPO / "tests" / "fixtures" / "qwen3_tokenizer"
+
+
+def test_data_of_another_tokenizer_or_template_is_refused(tmp_path):
+    """stats.json's tokenizer and chat template hashes against TARGET's: a dataset tokenized for another target trained
+    to the end without a word before."""
+    from transformers import AutoTokenizer
+    from data.chat import template_hash
+    from data.prepare import tokenizer_hash
+    import train_dflash as td
+    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(tmp_path))
+    same = {"tokenizer": "/m/qwen3", "tokenizer_hash": tokenizer_hash(tok), "chat_template_hash": template_hash(tok)}
+    assert td.check_data_tokenizer(same, tok) == []
+    other = AutoTokenizer.from_pretrained(tmp_path / "qwen3_tokenizer")
+    other.add_tokens(["<new_token>"])
+    errs = td.check_data_tokenizer({**same, "tokenizer_hash": tokenizer_hash(other)}, tok)
+    assert len(errs) == 1 and "was tokenized with the tokenizer of /m/qwen3" in errs[0], errs
+    errs = td.check_data_tokenizer({**same, "chat_template_hash": "0" * 64}, tok)
+    assert len(errs) == 1 and "rendered with the chat template of /m/qwen3 (hash 000000000000)" in errs[0], errs
+
+    # end to end: refused before any model loads
+    target = make_target(tmp_path / "target")
+    tok.save_pretrained(target)
+    data = make_dataset(tmp_path / "data")
+    (data / "stats.json").write_text(json.dumps({**same, "tokenizer_hash": tokenizer_hash(other)}))
+    r = run(1, base_args(target, data, tmp_path / "out"))
+    assert r.returncode != 0 and f"TARGET={target} has another one ({tokenizer_hash(tok)[:12]})" in r.stderr, \
+        r.stdout[-2000:] + r.stderr[-2000:]
+    assert "load data" not in r.stdout and "Traceback" not in r.stderr

@@ -12,6 +12,9 @@ Inert unless one of these environment variables is set (the test sets them; torc
     FAULT_SLOW_SAVE=N:S       the N-th checkpoint state.pt write stops half-way for S seconds (the file is on
                               disk, truncated, inside the .tmp- folder) and prints FAULT_MARK_SAVE first
     FAULT_SAVE_ENOSPC=N       the N-th state.pt write writes half its bytes, then raises OSError(ENOSPC)
+    FAULT_BATCH_ERROR=N       the N-th data.batching.BatchPlan.batch call raises RuntimeError (an error on the
+                              thread that pads micro-batches)
+    FAULT_SLOW_EVAL=S         each eval_dflash.evaluate call sleeps S seconds first (a long in-training evaluation)
 
 Every injection prints one line starting with "FAULT:" so a test can wait for it. The patches attach when the
 trainer imports the module concerned (model.target, checkpoint, pipe), so nothing heavy is imported here.
@@ -99,7 +102,34 @@ def _patch_pipe(mod) -> None:
         mod.send_packet = send_packet
 
 
-_PATCHES = {"model.target": _patch_target, "checkpoint": _patch_checkpoint, "pipe": _patch_pipe}
+def _patch_batching(mod) -> None:
+    at = int(os.environ.get("FAULT_BATCH_ERROR", 0) or 0)
+    orig = mod.BatchPlan.batch
+    calls = [0]
+
+    def batch(self, g):
+        calls[0] += 1
+        if at and calls[0] == at:
+            _say(f"error in batch call {calls[0]} (g={g})")
+            raise RuntimeError(f"injected fault in BatchPlan.batch(g={g})")
+        return orig(self, g)
+    mod.BatchPlan.batch = batch
+
+
+def _patch_eval(mod) -> None:
+    slow = float(os.environ.get("FAULT_SLOW_EVAL", 0) or 0)
+    orig = mod.evaluate
+
+    def evaluate(*a, **kw):
+        _say(f"slow evaluation, {slow:g}s (enable_thinking={kw.get('enable_thinking')})")
+        time.sleep(slow)
+        return orig(*a, **kw)
+    if slow:
+        mod.evaluate = evaluate
+
+
+_PATCHES = {"model.target": _patch_target, "checkpoint": _patch_checkpoint, "pipe": _patch_pipe,
+            "data.batching": _patch_batching, "eval_dflash": _patch_eval}
 
 
 class _Hook(importlib.abc.MetaPathFinder):
@@ -121,7 +151,9 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _mine() and "RANK" in os.environ and any(   # a torchrun worker (not the agent) with a fault switched on
-        os.environ.get(k) for k in ("FAULT_SLOW_FORWARD", "FAULT_HANG_FORWARD", "FAULT_SLOW_SAVE", "FAULT_SAVE_ENOSPC",
-                                    "FAULT_SLOW_SEND")):
+# a trainer process (a torchrun worker or the one-process mode) with a fault switched on; the torchrun agent never
+# imports the patched modules
+if _mine() and any(os.environ.get(k) for k in ("FAULT_SLOW_FORWARD", "FAULT_HANG_FORWARD", "FAULT_SLOW_SAVE",
+                                               "FAULT_SAVE_ENOSPC", "FAULT_SLOW_SEND", "FAULT_BATCH_ERROR",
+                                               "FAULT_SLOW_EVAL")):
     sys.meta_path.insert(0, _Hook())

@@ -1,0 +1,84 @@
+"""check_config's ranges and the LR schedule, in-process (no job is started)."""
+import math
+
+import pytest
+
+import train_dflash as td
+
+
+@pytest.fixture
+def cfg(tiny_llama_dir, tmp_path, monkeypatch):
+    """A valid configuration; set(NAME=value) changes it; check() returns check_config's error text ('' if ok)."""
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(td, "TARGET", str(tiny_llama_dir))
+    monkeypatch.setattr(td, "DATA", str(tmp_path / "data"))
+    monkeypatch.setattr(td, "OUT_DIR", str(tmp_path / "out"))
+
+    class Cfg:
+        @staticmethod
+        def set(**kw):
+            for k, v in kw.items():
+                monkeypatch.setattr(td, k, v)
+
+        @staticmethod
+        def check():
+            try:
+                td.check_config(1)
+            except SystemExit as e:
+                return str(e.code)
+            return ""
+    return Cfg
+
+
+def test_every_numeric_constant_has_a_range():
+    numeric = [k for k in td.CONFIG_KEYS if isinstance(getattr(td, k), (int, float))
+               and not isinstance(getattr(td, k), bool)]
+    assert sorted(set(numeric) - set(td.RANGES)) == [], "add the new constant's allowed range to RANGES"
+    assert all(td.RANGES[k][0] <= getattr(td, k) for k in numeric), "a default outside its own range"
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("GRAD_CLIP", 0.0, "GRAD_CLIP=0.0 must be > 0 and finite"),
+    ("GRAD_CLIP", -1.0, "GRAD_CLIP=-1.0 must be > 0"),
+    ("GRAD_CLIP", math.inf, "GRAD_CLIP=inf must be > 0 and finite"),
+    ("GAMMA", math.nan, "GAMMA=nan must be > 0 and finite"),
+    ("LR", math.nan, "LR=nan must be > 0"),
+    ("WEIGHT_DECAY", -0.1, "WEIGHT_DECAY=-0.1 must be >= 0"),
+    ("NOISE", math.inf, "NOISE=inf must be >= 0 and finite"),
+    ("SEED", -1, "SEED=-1 must be >= 0"),
+    ("STALL_TIMEOUT", 0.0, "STALL_TIMEOUT=0.0 must be > 0"),
+    ("MASK_TOKEN_ID", -2, "MASK_TOKEN_ID=-2 must be >= -1"),
+    ("WARMUP_RATIO", 1.0, "WARMUP_RATIO=1.0 must be < 1"),
+    ("SLIDING_WINDOW_LAYERS", 9, "SLIDING_WINDOW_LAYERS=9 must be <= NUM_DRAFT_LAYERS=5"),
+])
+def test_bad_numeric_values_are_refused(cfg, name, value, message):
+    assert cfg.check() == ""
+    cfg.set(**{name: value})
+    assert message in cfg.check()
+
+
+def test_out_dir_that_is_a_file_and_target_without_weights(cfg, tiny_llama_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg.set(OUT_DIR=str(tmp_path / "file"))
+    assert f"OUT_DIR={tmp_path / 'file'} is a file, not a folder" in cfg.check()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    cfg.set(OUT_DIR=str(tmp_path / "out"), TARGET=str(bare))
+    assert f"TARGET={bare} has a config.json but no weights" in cfg.check()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 10, 300])
+@pytest.mark.parametrize("ratio", [0.0, 0.001, 0.04, 0.3, 0.999])
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_lr_never_exceeds_the_peak(monkeypatch, steps, ratio, per_step):
+    monkeypatch.setattr(td, "WARMUP_RATIO", ratio)
+    monkeypatch.setattr(td, "GRAD_ACCUM", per_step)
+    monkeypatch.setattr(td, "MAX_STEPS", steps)
+    monkeypatch.setattr(td, "EPOCHS", 1)
+    s = td.Schedule(10_000, 1, 1)
+    lrs = [s.lr(s.g0 + i * s.per_step) for i in range(s.steps)]
+    assert max(lrs) <= td.LR, (max(lrs), td.LR)
+    assert all(x >= 0 for x in lrs)
+    if ratio * s.planned_g >= 2 * per_step:   # a real warmup: it rises, then the cosine falls
+        assert lrs[0] < lrs[len(lrs) // 10 + 1] or lrs[0] < max(lrs)
