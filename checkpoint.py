@@ -11,6 +11,9 @@ mid-write never leaves something that looks like a checkpoint; a truncated or ed
 
 One job at a time writes an OUT_DIR: lock_out_dir takes OUT_DIR/.lock for the job's life, and only its holder
 removes `.tmp-*` folders (any other writer's are then dead).
+
+The state a checkpoint holds is defined here too (`train_state`, `train_meta`), with what a resume reads back from
+it: `resume_mismatches` (what the checkpoint was trained for) and `resume_point` (where the data and LR continue).
 """
 import atexit
 import errno
@@ -19,12 +22,17 @@ import hashlib
 import json
 import os
 import platform
+import random
 import shutil
 import socket
 import subprocess
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+import transformers
 
 PREFIX = "step_"
 
@@ -235,7 +243,6 @@ def load_state(path: Path, map_location="cpu") -> dict:
 
 def environment() -> dict:
     """What a run needs to be reproduced; never the process environment (it holds tokens)."""
-    import transformers
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
            "python": platform.python_version(), "host": socket.gethostname(), "git": git_revision()}
     if torch.cuda.is_available():
@@ -258,3 +265,124 @@ def git_revision() -> str:
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+
+
+# --- the training state: what a checkpoint holds, and what a resume reads back ------------------------------------------
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
+
+
+def train_state(drafter, opt, step: int, next_g: int) -> dict:
+    """state.pt: fp32 master weights, optimizer, the next step and micro-batch, every RNG (per-micro-batch draws come
+    from (SEED, g), so these only matter to code outside them)."""
+    return {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "next_g": next_g,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["rng"]["torch"].cpu())
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+
+
+def train_meta(step, next_g, planned_g, split, config, data, drafter_cfg, target) -> dict:
+    """meta.json: small and readable; everything resume_mismatches and resume_point compare. data: a
+    data.loader.Data; drafter_cfg: the DrafterConfig; target: target_fingerprint(TARGET)."""
+    return {"step": step, "next_g": next_g, "planned_g": planned_g, "epoch": next_g / data.plan.num_batches,
+            "split": split, "config": config, "env": environment(), "data": data.fingerprint(),
+            "drafter": drafter_cfg.__dict__, "target": target, "time": time.time()}
+
+
+def target_fingerprint(path) -> dict:
+    """What identifies a target without loading it: its config.json (hashed, less the fields a re-save changes) and
+    its weight files' headers plus their first MiB of tensor data (another checkpoint of the same architecture
+    differs there)."""
+    path = Path(path).expanduser()
+    cfg = json.loads((path / "config.json").read_text())
+    for k in ("_name_or_path", "transformers_version"):
+        cfg.pop(k, None)
+    weights = hashlib.sha256()
+    for f in sorted(p for pat in WEIGHT_FILES for p in path.glob(pat)):
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if f.suffix == ".safetensors" else 0
+            weights.update(f.name.encode() + head + fh.read(n + (1 << 20)))
+    config_sha = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    return {"path": str(path.resolve()), "config_sha256": config_sha, "weights_sha256": weights.hexdigest()}
+
+
+# drafter config field -> the setting that decides it (fields not listed come from the target's config)
+SHAPED_BY = {"num_hidden_layers": "NUM_DRAFT_LAYERS", "block_size": "BLOCK_SIZE",
+             "target_layer_ids": "TARGET_LAYER_IDS", "mask_token_id": "MASK_TOKEN_ID",
+             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW"}
+
+
+def resume_mismatches(meta: dict, dcfg, fingerprint: dict) -> list[str]:
+    """What a checkpoint was written for that this run would change: the drafter's shape (by setting) and the target
+    (by fingerprint). -> one line per difference, naming the setting and both values."""
+    errs = []
+    old = meta.get("drafter") or {}
+    for name, new in dcfg.__dict__.items():
+        if name in old and old[name] != new:
+            setting = SHAPED_BY.get(name, f"TARGET (its config's {name})")
+            errs.append(f"{setting}: the checkpoint has {name}={old[name]}, this run {new}")
+    was = meta.get("target")
+    if was and (was["config_sha256"], was["weights_sha256"]) != (fingerprint["config_sha256"],
+                                                                 fingerprint["weights_sha256"]):
+        what = "config and weights" if was["config_sha256"] != fingerprint["config_sha256"] else "weights"
+        errs.append(f"TARGET: the checkpoint was trained on {was['path']} (config {was['config_sha256'][:12]}, weights "
+                    f"{was['weights_sha256'][:12]}), this run's {fingerprint['path']} has other {what} (config "
+                    f"{fingerprint['config_sha256'][:12]}, weights {fingerprint['weights_sha256'][:12]})")
+    return errs
+
+
+@dataclass
+class ResumePoint:
+    start_g: int = 0                 # the first micro-batch this run trains on
+    step: int = 0                    # optimizer steps already done
+    planned_g: int | None = None     # the LR schedule's length; None = plan it afresh
+    notes: list = field(default_factory=list)   # lines for the master's log, in order
+    error: str | None = None         # why this run must not continue (the data changed)
+
+
+def resume_point(meta: dict | None, data, cfg: dict) -> ResumePoint:
+    """Where a run continues: the checkpoint's next micro-batch and LR schedule, moved to the same fraction of the
+    data when the batching or (with cfg["ALLOW_DATA_CHANGE"]) the dataset changed. meta: the checkpoint's meta.json
+    or None (a fresh run); data: the run's data.loader.Data; cfg: the run's settings (EPOCHS, MAX_STEPS,
+    ALLOW_DATA_CHANGE). Pure: reads nothing else, logs nothing."""
+    if not meta:
+        return ResumePoint()
+    rp = ResumePoint(start_g=meta["next_g"], step=meta["step"])
+    old, nb = meta["data"], data.plan.num_batches
+    # the schedule's length stays the checkpoint's unless what defines it changed
+    if (meta["config"].get("EPOCHS"), meta["config"].get("MAX_STEPS")) == (cfg["EPOCHS"], cfg["MAX_STEPS"]):
+        rp.planned_g = meta.get("planned_g")
+    else:
+        rp.notes.append("NOTE: EPOCHS/MAX_STEPS changed since the checkpoint: the LR schedule is re-planned")
+    if old["content_hash"] == data.content_hash and old["num_batches"] != nb:
+        # same data, other TOKEN_BUDGET / MAX_BATCH_SIZE: micro-batch numbers mean other batches now
+        rp.start_g, rp.planned_g = round(rp.start_g / old["num_batches"] * nb), None
+        rp.notes.append(f"NOTE: batching changed since the checkpoint ({old['num_batches']} -> {nb} micro-batches/"
+                        f"epoch): continuing at the same fraction of the data (micro-batch {rp.start_g}), LR schedule "
+                        f"re-planned")
+    elif old["content_hash"] != data.content_hash:
+        what = (f"dataset changed since the checkpoint: it had {old['rows']} rows / {old['num_batches']} micro-batches "
+                f"(hash {old['content_hash'][:12]}), now {data.num_rows} / {nb} (hash {data.content_hash[:12]})")
+        if not cfg["ALLOW_DATA_CHANGE"]:
+            rp.error = (what + ". Set --ALLOW_DATA_CHANGE=True to continue on the new data (the LR schedule is "
+                               "re-planned), or restore the old dataset")
+            return rp
+        rp.start_g, rp.planned_g = round(rp.start_g / max(1, old["num_batches"]) * nb), None   # same fraction
+        rp.notes.append(f"WARNING: {what}; ALLOW_DATA_CHANGE: continuing at micro-batch {rp.start_g}, re-planned LR")
+    return rp
+
+
+def environment_notes(meta: dict, split: list[int], start_g: int) -> list[str]:
+    """What differs between the checkpoint's environment and split and this run's: log lines."""
+    ck_env, env = meta.get("env", {}), environment()
+    notes = [f"WARNING: {k} version differs from the checkpoint's: {ck_env.get(k)} -> {env.get(k)}"
+             for k in ("torch", "cuda", "transformers") if ck_env.get(k) != env.get(k)]
+    if meta.get("split") != split:
+        notes.append(f"NOTE: checkpoint split {meta.get('split')} -> now {split[0]} targets : {split[1]} drafters; "
+                     f"continuing from the same data position (micro-batch {start_g})")
+    return notes

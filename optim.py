@@ -128,3 +128,23 @@ def make_optimizer(drafter, lr, weight_decay, overlap=False) -> ChunkedAdamW:
                        module_order=drafter.parameters(), betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
     drafter.params_ready = opt.wait if opt.overlap else None
     return opt
+
+
+def scale_clip_(params, scale, max_norm: float, opt=None):
+    """Gradients times scale, then their global norm clipped to max_norm: the result of a per-parameter mul_
+    followed by clip_grad_norm_ (the norm of the scaled gradients is scale times the norm of the unscaled ones).
+    scale: a 0-dim or [1] tensor on the gradients' device (no host sync). Returns the scaled norm, before clipping.
+    With a fused torch optimizer as opt the gradients are left as they are and the factor goes to its next step
+    (opt.grad_scale, which GradScaler uses too: the fused AdamW kernel divides each gradient by it as it reads it),
+    which saves a pass over every gradient; otherwise one foreach multiply."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    scale = scale.reshape(())
+    total = torch.nn.utils.get_total_norm(grads) * scale
+    coef = scale * torch.clamp(max_norm / (total + 1e-6), max=1.0)                # clip_grad_norm_'s coefficient
+    if opt is not None and opt.defaults.get("fused"):
+        opt.grad_scale = (1.0 / coef).reshape(1).float()
+    else:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total

@@ -1,9 +1,15 @@
-"""Target -> drafter transport, and the watchdog that turns any dead or stuck rank into a quick, named exit.
+"""Target -> drafter transport, the queues between the stages, and the watchdog that turns any dead or stuck rank
+into a quick, named exit.
+
+A micro-batch's route: `produce` (q_pre: data.batch on a prefetch thread, then the target forward) -> `Sender` ->
+wire -> `receive` -> `Prefetcher` (q_hs: model.objective.prepare on a side stream) -> the training step. The
+one-process mode chains `produce` straight into a `Prefetcher`.
 
 A micro-batch crosses as a `Packet`: a small int64 header over the gloo control group (so the receiver learns
 the shapes on the CPU without a GPU sync), then the payload tensors over the data group (NCCL on GPU, gloo on
 CPU). Both ends walk their micro-batches in increasing global index `g`, so blocking transfers cannot deadlock.
 """
+import collections
 import contextlib
 import json
 import os
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from model.target import target_features
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER_LEN = 6  # [magic, g, num_seqs, num_tokens, feature_dim, dtype code]
@@ -100,48 +108,125 @@ class Sender(threading.Thread):
             self.watchdog.fail(f"sender thread: {type(e).__name__}: {e}", traceback.format_exc())
 
 
-class Receiver(threading.Thread):
-    """Drafter side: receives its micro-batches `(g, src)` in order into a bounded queue (`q_hs`)."""
+def receive(schedule, ctrl, data, device, watchdog):
+    """Drafter side: the Packets of `schedule` (an iterator of (g, src)), received in order; feeds a Prefetcher."""
+    for g, src in schedule:
+        watchdog.recv_state = f"waiting for g={g} from rank {src}"
+        p = recv_packet(src, ctrl, data, device)
+        if p.g != g:
+            raise RuntimeError(f"expected micro-batch g={g} from rank {src}, got g={p.g}: the ranks disagree on "
+                               f"the plan (different config or dataset?)")
+        watchdog.recv_state = f"received g={g}"
+        yield p
 
-    def __init__(self, schedule, ctrl, data, device, depth, watchdog, prepare):
-        super().__init__(daemon=True, name="receiver")
-        self.schedule = schedule  # iterator of (g, src)
-        self.prepare = prepare    # Packet -> what the training step consumes (anchors, blocks, masks), built here
-        #                           so the main thread's GPU stream never waits on this CPU work
-        self.q = queue.Queue(maxsize=depth)
-        self.ctrl, self.data, self.device, self.watchdog = ctrl, data, device, watchdog
+
+class StopPoint:
+    """The first micro-batch not to make: the schedule's end, or the earlier one the master publishes in the store
+    under `stop_g` once a rank asked to stop (a signal), so the target ranks stop where the drafters do."""
+
+    def __init__(self, store, total_g: int):
+        self.store, self.g = store, total_g
+
+    def __call__(self) -> int:
+        if self.store and self.store.check(["stop_g"]):
+            self.g = int(self.store.get("stop_g"))
+        return self.g
+
+
+def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=None, stats=None):
+    """Target side: yields the Packets of micro-batches `gs` (in order). data.batch(g) pads them on a prefetch thread
+    (q_pre, `depth` ahead; pinned on a GPU), the target forward runs on the calling thread. Stops before the g
+    `stop()` names. The q_pre depth goes to stats["q"] (the watchdog's, published to the master, or the given dict);
+    `clock` (a BusyClock) times the forwards."""
+    stats = watchdog.stats if watchdog else stats
+    q_pre = queue.Queue(maxsize=depth)
+
+    def prefetch():
+        try:
+            for g in gs:
+                ids, mask, attn, lens = data.batch(g)
+                if device.type == "cuda":
+                    ids, attn = ids.pin_memory(), attn.pin_memory()
+                q_pre.put((g, ids, mask, attn, lens))
+            q_pre.put(None)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            if watchdog:
+                watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}", traceback.format_exc())
+            q_pre.put(e)   # the one-process mode has no watchdog: its feeder thread raises it on
+    threading.Thread(target=prefetch, daemon=True, name="prefetch").start()
+    while True:
+        item = q_pre.get()
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"prefetch thread: {type(item).__name__}: {item}") from item
+        g, ids, mask, attn, lens = item
+        if stop is not None and g >= stop():
+            return
+        if watchdog:
+            watchdog.state = f"target forward g={g}"
+        if stats is not None:
+            stats["q"] = q_pre.qsize()
+        keep = attn.bool()
+        t0 = clock.start() if clock else None
+        feats = target_features(target, ids, attn, device)
+        if clock:
+            clock.stop(t0, int(lens.sum()))
+        yield Packet(g, lens, ids[keep], mask[keep], feats)
+
+
+class Prefetcher(threading.Thread):
+    """Packets in, prepared micro-batches out, `depth` ahead of the consumer. The thread draws each packet from
+    `packets` (an iterator that runs here: `receive` on a drafter rank, `produce`'s target forward in the one-process
+    mode, synthetic packets in the bench), runs `prepare(packet)` on it (model.objective.prepare: anchors, blocks,
+    masks, built off the training thread) and queues the result; on a GPU all of it on the thread's own CUDA stream,
+    each item with an event that get() makes the consumer's stream wait on (handoff). An error on the thread ends the
+    job through `fail(reason, detail)` (a drafter rank's watchdog) or, without one, is raised by the next get()."""
+
+    def __init__(self, packets, prepare, device, depth, name="feeder", fail=None):
+        super().__init__(daemon=True, name=name)
+        self.packets, self.prepare, self.device, self.fail = packets, prepare, torch.device(device), fail
+        self.q = queue.Queue(maxsize=depth)                # q_hs
+        self.halt = threading.Event()
+        self.prepare_s = []      # wall seconds per prepare() call (the bench reports them)
+        self.prepare_cpu_s = []  # this thread's CPU seconds in them (wall - CPU = waiting: the GIL, blocking copies)
 
     def run(self):
         try:
             cuda = self.device.type == "cuda"
             stream = torch.cuda.Stream(self.device) if cuda else None
-            for g, src in self.schedule:
-                self.watchdog.recv_state = f"waiting for g={g} from rank {src}"
-                if cuda:
-                    with torch.cuda.stream(stream):
-                        p = recv_packet(src, self.ctrl, self.data, self.device)
-                        self._check(p, g, src)
-                        item = self.prepare(p)
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                else:
-                    p = recv_packet(src, self.ctrl, self.data, self.device)
-                    self._check(p, g, src)
-                    item, done = self.prepare(p), None
-                self.watchdog.recv_state = f"received g={g}"
-                self.q.put((item, done))
-        except Exception as e:  # noqa: BLE001
-            self.watchdog.fail(f"receiver thread: {type(e).__name__}: {e}", traceback.format_exc())
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for p in self.packets:
+                    t, cpu = time.perf_counter(), time.thread_time()
+                    item = self.prepare(p)
+                    self.prepare_s.append(time.perf_counter() - t)
+                    self.prepare_cpu_s.append(time.thread_time() - cpu)
+                    if not self._put((item, stream.record_event() if cuda else None)):
+                        return
+        except BaseException as e:  # noqa: BLE001 - ends the job, or handed to the consumer with its traceback
+            if self.fail:
+                self.fail(f"{self.name} thread: {type(e).__name__}: {e}", traceback.format_exc())
+            self._put((e, None))
 
-    @staticmethod
-    def _check(p, g, src):
-        if p.g != g:
-            raise RuntimeError(f"expected micro-batch g={g} from rank {src}, got g={p.g}: the ranks disagree on "
-                               f"the plan (different config or dataset?)")
+    def _put(self, entry) -> bool:
+        while not self.halt.is_set():
+            try:
+                self.q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def get(self):
         item, done = self.q.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"{self.name} thread: {type(item).__name__}: {item}") from item
         return handoff(item, done, self.device)
+
+    def stop(self):
+        """End the thread (the bench's; a trainer's ends with its process)."""
+        self.halt.set()
+        self.join(timeout=30)
 
 
 def handoff(item, done, device):
@@ -153,6 +238,47 @@ def handoff(item, done, device):
         for t in item.device_tensors():
             t.record_stream(cur)
     return item
+
+
+class BusyClock:
+    """Seconds and tokens a role spends computing, so the master can measure each role's capacity (not only the
+    pipeline's rate, which the slower role sets). On GPU: CUDA events around each unit of work, summed by the
+    watchdog thread once they have completed, so the hot loop never syncs. The first `skip` units are not counted:
+    they include torch.compile's compiles (COMPILE_*, flex_attention at the real mask lengths) and allocator
+    warm-up.
+    """
+
+    def __init__(self, device, skip=3):
+        self.cuda = device.type == "cuda"
+        self.pending = collections.deque()   # (start event, end event, tokens), appended by the worker thread
+        self.seconds, self.tokens = 0.0, 0
+        self.skip = skip
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, t0, tokens):
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pending.append((t0, e, tokens))
+        else:
+            self.seconds += time.perf_counter() - t0
+            self.tokens += tokens
+
+    def poll(self) -> dict:
+        while self.pending and self.pending[0][1].query():
+            s, e, tok = self.pending.popleft()
+            self.seconds += s.elapsed_time(e) / 1000
+            self.tokens += tok
+        return {"busy_s": self.seconds, "busy_tok": self.tokens}
 
 
 # --- watchdog ---------------------------------------------------------------------------------------------------------

@@ -10,21 +10,20 @@ nothing is written except by --write-assets.
     python -m bench.bench_dflash --shape tiny --steps 2                                  # CPU smoke test (SDPA, fp32)
 
 What the trainer does is called, not copied: the target is a model.target.Target (built from a config instead of
-from_pretrained) run through train_dflash.target_features; the drafter's micro-batches go through
-train_dflash.make_prepare on a feeder thread (pipe.Receiver without the network); the drafter step repeats
-train_dflash.train's inner loop for one rank and GRAD_ACCUM=1. The transport is pipe.Sender / pipe.Receiver.
+from_pretrained) run through model.target.target_features; the drafter's micro-batches go through
+model.objective.prepare (train_dflash.make_prepare's settings) on a pipe.Prefetcher, fed synthetic packets instead
+of the network; the drafter step is train_dflash.drafter_step + optimizer_step for one rank and GRAD_ACCUM=1. The
+transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
 Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) are train_dflash's own constants.
 Every mode prints the planner's memory estimate (planner.py) next to the measured peak.
 """
 import argparse
-import contextlib
 import functools
+import itertools
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections import deque
@@ -33,8 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import train_dflash as td
 import planner
+import train_dflash as td
+from model.objective import micro_seed
+from model.target import target_features
+from pipe import Prefetcher
 
 # --- shapes -----------------------------------------------------------------------------------------------------------
 # name: family, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, rope_theta, tied embeddings, MASK id
@@ -132,7 +134,7 @@ def build_drafter(dcfg, device, seed=0):
 
 
 def frozen_io(hf_cfg, device, dtype, seed=1):
-    """The target's embedding and lm_head as train_dflash.load_frozen_io returns them, random."""
+    """The target's embedding and lm_head as model.target.load_frozen_io returns them, random."""
     V, H = hf_cfg.vocab_size, hf_cfg.hidden_size
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.empty(V, H, device=device, dtype=dtype).normal_(0.0, INIT_STD, generator=gen)
@@ -158,7 +160,7 @@ def batch_lengths(args, n: int) -> list[list[int]]:
 
 
 def make_batch(lengths, vocab, mask_id, g):
-    """Padded CPU tensors as train_dflash.Data.batch returns them: input_ids, loss_mask, attention_mask [b, S],
+    """Padded CPU tensors as data.loader.Data.batch returns them: input_ids, loss_mask, attention_mask [b, S],
     lengths [b]. Prompt = the first SYNTH_PROMPT_FRAC of each sequence; tokens never the MASK id."""
     gen = torch.Generator().manual_seed(g)
     b, S = len(lengths), max(lengths)
@@ -255,7 +257,7 @@ def bench_target(args, c) -> dict:
 
     def forward(b):
         ids, _mask, attn, _n = b
-        inflight.append(td.target_features(target, ids, attn, c.device))          # [T, K*H]
+        inflight.append(target_features(target, ids, attn, c.device))             # [T, K*H]
     for b in batches[:warmup]:
         forward(b)
     c.reset_peak()
@@ -303,65 +305,11 @@ def profile(n, fn, c, rows=30, trace=None):
 
 # --- (b) drafter capacity ---------------------------------------------------------------------------------------------
 
-class Feeder(threading.Thread):
-    """pipe.Receiver without the network: draws each micro-batch's features on the device and runs the trainer's
-    prepare (anchors, blocks, masks) on a side stream into a queue of Q_HS, as a drafter rank's receiver does."""
-
-    def __init__(self, make_packet, prepare, device, depth):
-        super().__init__(daemon=True, name="feeder")
-        self.make_packet, self.prepare, self.device = make_packet, prepare, device
-        self.q = queue.Queue(maxsize=depth)
-        self.halt = threading.Event()
-        self.error = None
-        self.prepare_s = []      # wall seconds per prepare() call
-        self.prepare_cpu_s = []  # this thread's CPU seconds in them (wall - CPU = waiting: the GIL, blocking copies)
-
-    def run(self):
-        try:
-            cuda = self.device.type == "cuda"
-            stream = torch.cuda.Stream(self.device) if cuda else None
-            g = 0
-            while not self.halt.is_set():
-                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                    p = self.make_packet(g)
-                    t, cpu = time.perf_counter(), time.thread_time()
-                    item = self.prepare(p)
-                    self.prepare_s.append(time.perf_counter() - t)
-                    self.prepare_cpu_s.append(time.thread_time() - cpu)
-                    done = None
-                    if cuda:
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                item.loss_mask = p.loss_mask
-                while not self.halt.is_set():
-                    try:
-                        self.q.put((item, done), timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-                g += 1
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread by get()
-            self.error = (e, traceback.format_exc())
-
-    def get(self):
-        while True:
-            if self.error:
-                raise RuntimeError(f"feeder thread failed:\n{self.error[1]}") from self.error[0]
-            try:
-                item, done = self.q.get(timeout=0.1)
-                break
-            except queue.Empty:
-                pass
-        if done is not None:   # as pipe.Receiver.get: order the side stream's writes before this stream's use
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(done)
-            for t in item.device_tensors():
-                t.record_stream(cur)
-        return item
-
-    def stop(self):
-        self.halt.set()
-        self.join(timeout=30)
+def synthetic_feed(c, lens):
+    """A drafter rank's Prefetcher without the network: each micro-batch's features drawn on the device, the
+    trainer's prepare (anchors, blocks, masks) on its side stream into a queue of Q_HS."""
+    packets = (synthetic_packet(c, lens[g % len(lens)], g) for g in itertools.count())
+    return Prefetcher(packets, td.make_prepare(c.dcfg, c.device, c.flex), c.device, td.Q_HS, name="feeder")
 
 
 class DrafterRig:
@@ -382,35 +330,17 @@ class DrafterRig:
         self.params = params
         from optim import make_optimizer
         self.opt = make_optimizer(self.drafter, td.LR, td.WEIGHT_DECAY, overlap=overlap)
-        self.autocast = torch.autocast("cuda", dtype=c.dtype) if c.device.type == "cuda" and \
-            c.dtype != torch.float32 else torch.autocast("cpu", enabled=False)
-        self.sums = torch.zeros(6, device=c.device, dtype=torch.float64)
+        self.autocast = td.autocast_for(c.device, c.dtype)
         self.step_w = torch.zeros(1, device=c.device, dtype=torch.float64)
 
-    def step(self, item, probe=lambda phase: None, saved_hooks=contextlib.nullcontext()):
-        """train_dflash.train's inner loop for one drafter rank, GRAD_ACCUM=1, no noise."""
-        from model.objective import block_metrics, weighted_ce
-        B = self.c.dcfg.block_size
-        with self.autocast:
-            with saved_hooks:
-                hidden = self.drafter(item.features, item.ctx_pos, self.embed(item.block_ids), item.block_pos,
-                                      item.attn)                                                      # [N*B, H]
-                probe("forward")
-                parts = weighted_ce(hidden, self.head_w, item.labels, item.weights, td.CE_CHUNK, rows=item.rows,
-                                    reweight=td.loss_reweight(item, B))
-                probe("CE")
-            parts.loss_sum.backward()
-        probe("backward")
-        bm = block_metrics(parts.correct.view(-1, B), item.weights.view(-1, B))
-        self.step_w += parts.weight_sum.double()
-        self.sums += torch.stack([parts.loss_sum.detach().double(), parts.weight_sum.double(),
-                                  bm["acc_num"].double(), bm["acc_den"].double(), bm["streak_num"].double(),
-                                  bm["streak_den"].double()])
-        td.scale_clip_(self.params, (1.0 / self.step_w.clamp(min=1e-12)).float(), td.GRAD_CLIP, self.opt)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step_w.zero_()
-        probe("optimizer")
+    def step(self, item, probe=None, saved_hooks=None):
+        """The trainer's step for one drafter rank, GRAD_ACCUM=1: train_dflash.drafter_step + optimizer_step."""
+        sums = td.drafter_step(self.drafter, self.embed, self.head_w, item, self.c.dcfg.block_size, self.autocast,
+                               probe=probe, saved_hooks=saved_hooks)
+        self.step_w += sums[7]
+        td.optimizer_step(self.params, self.opt, self.step_w)
+        if probe:
+            probe("optimizer")
 
 
 class SavedBytes:
@@ -460,10 +390,10 @@ def synthetic_features(c, T):
 
 
 def packet_anchors(lengths, loss_mask, g):
-    """(doc_ids, positions, anchors) of micro-batch g as train_dflash.make_prepare draws them (same seed)."""
+    """(doc_ids, positions, anchors) of micro-batch g as model.objective.prepare draws them (same seed)."""
     from model.objective import pack, sample_anchors
     doc_ids, positions = pack(lengths)
-    anchors = sample_anchors(loss_mask, doc_ids, td.MAX_ANCHORS, torch.Generator().manual_seed(td.micro_seed(g)),
+    anchors = sample_anchors(loss_mask, doc_ids, td.MAX_ANCHORS, torch.Generator().manual_seed(micro_seed(td.SEED, g)),
                              td.MIN_ANCHORS_PER_DOC)
     return doc_ids, positions, anchors
 
@@ -492,8 +422,7 @@ def bench_drafter(args, c) -> dict:
                               td.mask_lengths(c.dcfg, c.device, c.flex))
         compile_s = time.time() - t0
     lens = batch_lengths(args, 64)
-    feeder = Feeder(lambda g: synthetic_packet(c, lens[g % len(lens)], g), td.make_prepare(c.dcfg, c.device, c.flex),
-                    c.device, td.Q_HS)
+    feeder = synthetic_feed(c, lens)
     feeder.start()
     try:
         t0 = time.time()
@@ -728,7 +657,7 @@ def instrumented_step(rig, feeder, c):
 # --- (c, e) pipeline --------------------------------------------------------------------------------------------------
 
 class _Watch:
-    """The part of pipe.Watchdog that Sender and Receiver use."""
+    """The part of pipe.Watchdog that Sender and receive use."""
     state = recv_state = ""
 
     def progress(self):
@@ -768,10 +697,10 @@ def pipeline_commands(args) -> list[str]:
 
 def bench_pipeline(args, c) -> dict:
     """World size 1: the commands. Under torchrun with 2 ranks: rank 0 produces (the target forward with
-    --pipe-compute, else a ready feature tensor) through pipe.Sender, rank 1 consumes through pipe.Receiver (the
-    drafter step with --pipe-compute)."""
+    --pipe-compute, else a ready feature tensor) through pipe.Sender, rank 1 consumes through pipe.receive and a
+    Prefetcher (the drafter step with --pipe-compute)."""
     import torch.distributed as dist
-    from pipe import Packet, Receiver, Sender
+    from pipe import Packet, Sender, receive
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return {"commands": pipeline_commands(args)}
@@ -799,9 +728,9 @@ def bench_pipeline(args, c) -> dict:
                 t0 = time.perf_counter()
             ids, mask, attn, ln = make_batch(lens[g], c.sizes.V, c.mask_id, g)
             keep = attn.bool()
-            if cuda:                                   # train_dflash.produce pins its batches
+            if cuda:                                   # pipe.produce pins its batches
                 ids, attn = ids.pin_memory(), attn.pin_memory()
-            feats = td.target_features(target, ids, attn, c.device) if target else ready[:int(ln.sum())]
+            feats = target_features(target, ids, attn, c.device) if target else ready[:int(ln.sum())]
             sender.put(1, Packet(g, ln, ids[keep], mask[keep], feats))
         while sender.sent < n:
             time.sleep(0.001)
@@ -815,7 +744,8 @@ def bench_pipeline(args, c) -> dict:
                                   c.dcfg.head_dim, c.dcfg.block_size,
                               td.mask_lengths(c.dcfg, c.device, c.flex))
         prepare = td.make_prepare(c.dcfg, c.device, c.flex) if rig else _Arrived
-        receiver = Receiver(((g, 0) for g in range(n)), ctrl, data, c.device, td.Q_HS, watch, prepare)
+        receiver = Prefetcher(receive(((g, 0) for g in range(n)), ctrl, data, c.device, watch), prepare, c.device,
+                              td.Q_HS, name="receiver", fail=watch.fail)
         dist.barrier(group=ctrl)
         receiver.start()
         nbytes = tokens = samples = 0
@@ -849,7 +779,7 @@ def bench_pipeline(args, c) -> dict:
 def write_assets(args, c, out: Path, rows: int = 512) -> dict:
     """The one thing that writes files (--write-assets DIR): a random target of the shape as an HF folder (config +
     safetensors, no tokenizer: pass MASK_TOKEN_ID) and a synthetic prepared dataset of `rows` sequences in the
-    Arrow layout train_dflash.read_arrow_dataset reads (lengths: seq, or uniform in [min_len, seq] with --mixed), so
+    Arrow layout data.loader.read_arrow_dataset reads (lengths: seq, or uniform in [min_len, seq] with --mixed), so
     the trainer's pipeline can be measured at the bench shape without weights or data."""
     import pyarrow as pa
     out.mkdir(parents=True, exist_ok=True)

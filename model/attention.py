@@ -76,6 +76,7 @@ def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_bl
             blk_ok = blk_ok & (kq - kk < sliding_window)
         return (ctx_ok | blk_ok) & (q_idx < N * B)
 
+    mask_mod.tensors = [t for t in (anchor_pos, anchor_doc, ctx_doc, T, N) if isinstance(t, torch.Tensor)]
     return mask_mod
 
 
@@ -266,6 +267,7 @@ def interval_mask_mod(ctx_lo, ctx_hi, blk_lo, block_size, causal_block=False, sl
                 blk_ok = blk_ok & (kq - r < sliding_window)
         return ctx_ok | blk_ok
 
+    mask_mod.tensors = [ctx_lo, ctx_hi, blk_lo]
     return mask_mod
 
 
@@ -307,6 +309,19 @@ class AttnSpec:
     @property
     def is_flex(self) -> bool:
         return isinstance(self.full, BlockMask)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The masks' tensors: dense masks, or a BlockMask's index tensors and the tensors its mask_mod reads
+        (`mask_mod.tensors`, set by dflash_mask_mod / interval_mask_mod), so a caller that built them on a side
+        stream can hand them to another (pipe.handoff)."""
+        out = []
+        for m in (self.full, self.sliding):
+            if isinstance(m, torch.Tensor):
+                out.append(m)
+            elif m is not None:
+                out += [t for t in m.as_tuple() if isinstance(t, torch.Tensor)]
+                out += getattr(m.mask_mod, "tensors", [])
+        return out
 
     def for_layer(self, layer_type: str) -> Mask:
         if layer_type == "sliding_attention":

@@ -1,8 +1,10 @@
-"""Training objective on the packed layout: anchors, blocks, weighted CE (exp decay or D-PACE), acc and streak.
+"""Training objective on the packed layout: anchors, blocks, weighted CE (exp decay or D-PACE), acc and streak
+(docs/ALGORITHM.md).
 
 Packed layout: sequences back to back, [T] per token (input_ids, loss_mask, doc_ids, positions).
 A block for anchor a is [x_a, MASK * (B-1)] at positions a_pos .. a_pos+B-1; slot k predicts x_{a+k}
 (same-position prediction), slot 0 is the anchor itself and never supervised.
+`prepare` turns a received micro-batch into a `Prepared` one: everything a drafter step reads, on its device.
 """
 from dataclasses import dataclass
 
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model import ce_kernel
+from model.attention import AttnSpec, make_attn_spec, to_device
 
 
 def pack(lengths):
@@ -84,6 +87,57 @@ def make_blocks(input_ids, loss_mask, doc_ids, positions, anchor_idx, block_size
         anchor_idx=anchor_idx,
         anchor_doc=anchor_doc,
     )
+
+
+def micro_seed(seed: int, g: int) -> int:
+    """Anchors and noise of micro-batch g depend on (seed, g) only: any split, any resume point, same draws."""
+    return (seed * 1_000_003 + g) % (2 ** 63 - 1)
+
+
+@dataclass
+class Prepared:
+    """A received micro-batch with its blocks and masks built, ready for one forward/backward (T tokens, N blocks
+    of B, R supervised slots)."""
+    g: int                     # global micro-batch index
+    tokens: int                # T
+    num_blocks: int            # N
+    features: torch.Tensor     # [T, K*H] target hidden states, on the device
+    lengths: torch.Tensor      # [b] CPU, tokens per sequence
+    input_ids: torch.Tensor    # [T] CPU, packed
+    loss_mask: torch.Tensor    # [T] CPU, packed
+    ctx_pos: torch.Tensor      # [T] position of each context row inside its sequence
+    block_ids: torch.Tensor    # [N*B] anchor token then MASK
+    block_pos: torch.Tensor    # [N*B]
+    labels: torch.Tensor       # [N*B]
+    weights: torch.Tensor      # [N*B] float, the exp-decay weights (0 = not supervised)
+    rows: torch.Tensor         # [R] indices of the supervised slots (weights > 0)
+    attn: AttnSpec             # the masks, one per layer type
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor written where this was prepared (a side stream): pipe.handoff orders them before
+        their use on another stream."""
+        return [self.features, self.ctx_pos, self.block_ids, self.block_pos, self.labels, self.weights, self.rows,
+                *self.attn.device_tensors()]
+
+
+def prepare(p, cfg, seed, max_anchors, min_per_doc, gamma, flex=False, device="cpu", lengths=None) -> Prepared:
+    """A packet (g, lengths [b], input_ids [T], loss_mask [T] on the CPU, features [T, K*H]) -> Prepared:
+    anchors drawn from (seed, g) and blocks planned on the CPU, moved to `device` once. cfg: the DrafterConfig
+    (block_size, mask_token_id, layer_types, sliding_window); flex: BlockMasks (else dense masks), of the fixed
+    (Q_LEN, KV_LEN) `lengths` when given (attention.static_lengths)."""
+    doc_ids, positions = pack(p.lengths)                                                    # [T], [T]
+    gen = torch.Generator().manual_seed(micro_seed(seed, p.g))
+    anchors = sample_anchors(p.loss_mask, doc_ids, max_anchors, gen, min_per_doc)            # [N]
+    blk = make_blocks(p.input_ids, p.loss_mask, doc_ids, positions, anchors, cfg.block_size, gamma, cfg.mask_token_id)
+    w = blk.weights.flatten()                                                               # [N*B]
+    rows = (w > 0).nonzero().squeeze(1)                                                     # [R] supervised slots
+    attn = make_attn_spec(blk.anchor_idx, blk.anchor_doc, doc_ids, cfg.block_size, cfg.layer_types,
+                          cfg.sliding_window, flex, device, lengths)   # a BlockMask is planned on the CPU
+    return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features, lengths=p.lengths,
+                    input_ids=p.input_ids, loss_mask=p.loss_mask, ctx_pos=to_device(positions, device),
+                    block_ids=to_device(blk.ids.flatten(), device), block_pos=to_device(blk.positions.flatten(), device),
+                    labels=to_device(blk.labels.flatten(), device), weights=to_device(w, device),
+                    rows=to_device(rows, device), attn=attn)
 
 
 # ---------------------------------------------------------------------------

@@ -1,9 +1,17 @@
 """The frozen target: any local HF causal LM folder, run only up to the last tapped layer, returning the
-concatenated hidden states the drafter reads as context."""
+concatenated hidden states the drafter reads as context (packed: `target_features`); the embedding and lm_head
+alone for the drafter ranks (`load_frozen_io`); the MASK token."""
+import json
+import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+
+# The demo target, SmolLM2-135M-Instruct as an HF folder (python -m tools.smollm2 writes it): the trainer's default
+DEFAULT_TARGET = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
 
 
 class Target:
@@ -12,7 +20,6 @@ class Target:
     after the final norm, so a tap of the last layer is normed too (what eval_dflash and serving read)."""
 
     def __init__(self, path, device="cpu", dtype=torch.bfloat16, layer_ids=None):
-        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
         path = Path(path).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"target folder {path} has no config.json: pass a local HF model folder")
@@ -85,6 +92,41 @@ class Target:
         if last in taps:
             taps[last] = self.decoder.norm(taps[last])
         return torch.cat([taps[l] for l in layer_ids], dim=-1)                 # [b, S, K*H]
+
+
+def target_features(target, ids, attn, device):
+    """[b, S] padded -> features [T, K*H] of the real tokens, packed, on device."""
+    feats = target.features(ids.to(device, non_blocking=True), attn.to(device, non_blocking=True))  # [b, S, K*H]
+    keep = attn.flatten().nonzero().squeeze(1)       # found on the CPU: a boolean index on the GPU would sync
+    return feats.flatten(0, 1).index_select(0, keep.to(device, non_blocking=True))  # [T, K*H]
+
+
+def load_frozen_io(path, device, dtype):
+    """The target's embedding and lm_head weights only (drafter ranks never load the whole target).
+    -> (embedding module, lm_head weight [V, H], the text config)."""
+    path = Path(path)
+    top = AutoConfig.from_pretrained(path, local_files_only=True)
+    cfg = top.get_text_config()
+    tied = bool(getattr(top, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    found = {}
+    for f in files:
+        if not (path / f).exists():
+            continue
+        with safe_open(path / f, framework="pt") as sf:
+            for k in sf.keys():
+                if k.endswith("embed_tokens.weight") and "embed" not in found:
+                    found["embed"] = sf.get_tensor(k)
+                elif k == "lm_head.weight":
+                    found["head"] = sf.get_tensor(k)
+    if "embed" not in found or ("head" not in found and not tied):
+        # not safetensors, or unusual names: let transformers find the two tensors
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        found = {"embed": m.get_input_embeddings().weight.detach(), "head": m.get_output_embeddings().weight.detach()}
+    found.setdefault("head", found["embed"])                                             # tied embeddings
+    embed = torch.nn.Embedding.from_pretrained(found["embed"].to(device, dtype), freeze=True)
+    return embed, found["head"].to(device, dtype).requires_grad_(False), cfg
 
 
 # ---------------------------------------------------------------------------

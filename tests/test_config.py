@@ -4,6 +4,7 @@ import math
 import pytest
 
 import train_dflash as td
+from data.loader import Schedule
 
 
 @pytest.fixture
@@ -71,12 +72,8 @@ def test_out_dir_that_is_a_file_and_target_without_weights(cfg, tiny_llama_dir, 
 @pytest.mark.parametrize("steps", [1, 2, 3, 10, 300])
 @pytest.mark.parametrize("ratio", [0.0, 0.001, 0.04, 0.3, 0.999])
 @pytest.mark.parametrize("per_step", [1, 3])
-def test_lr_never_exceeds_the_peak(monkeypatch, steps, ratio, per_step):
-    monkeypatch.setattr(td, "WARMUP_RATIO", ratio)
-    monkeypatch.setattr(td, "GRAD_ACCUM", per_step)
-    monkeypatch.setattr(td, "MAX_STEPS", steps)
-    monkeypatch.setattr(td, "EPOCHS", 1)
-    s = td.Schedule(10_000, 1, 1)
+def test_lr_never_exceeds_the_peak(steps, ratio, per_step):
+    s = Schedule(10_000, 1, 1, grad_accum=per_step, lr=td.LR, warmup_ratio=ratio, epochs=1, max_steps=steps)
     lrs = [s.lr(s.g0 + i * s.per_step) for i in range(s.steps)]
     assert max(lrs) <= td.LR, (max(lrs), td.LR)
     assert all(x >= 0 for x in lrs)

@@ -553,11 +553,12 @@ def test_bad_rows_are_dropped_counted_and_the_run_completes(assets, tmp_path):
 
 def test_row_with_mismatched_mask_length_is_dropped(tmp_path):
     from datasets import Dataset
-    import train_dflash
+    import train_dflash as td
+    from data.loader import Data
     ids = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14, 15]]
     masks = [[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1, 1]]  # row 0: 7 mask values for 6 tokens
     Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(tmp_path / "d"))
-    data = train_dflash.Data(str(tmp_path / "d"), 96, 4)
+    data = Data(str(tmp_path / "d"), 96, td.TOKEN_BUDGET, td.MAX_BATCH_SIZE, td.SEED)
     assert data.dropped == {"loss_mask_length_differs": 1}
     got = {tuple(i[:n].tolist()): m[:n].tolist() for g in range(data.plan.num_batches)
            for i, m, _, lens in [data.batch(g)] for n, i, m in zip(lens.tolist(), i, m)}

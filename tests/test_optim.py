@@ -72,7 +72,7 @@ def test_overlapped_step_equals_plain_step_on_cuda(build_drafter, tiny_qwen3_dir
     """Three training steps (forward, backward, clip into grad_scale, step) with the update on a side stream and
     the forward waiting per chunk, against the same steps with the update after the backward: bitwise equal
     losses and parameters."""
-    import train_dflash as td
+    from optim import scale_clip_
     dev = torch.device("cuda")
     runs = {}
     for overlap in (False, True):
@@ -84,7 +84,7 @@ def test_overlapped_step_equals_plain_step_on_cuda(build_drafter, tiny_qwen3_dir
         for _ in range(3):
             loss = d(*inputs).float().square().mean()
             loss.backward()
-            td.scale_clip_(list(d.parameters()), torch.ones(1, device=dev), 0.5, opt)
+            scale_clip_(list(d.parameters()), torch.ones(1, device=dev), 0.5, opt)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())

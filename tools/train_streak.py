@@ -8,14 +8,14 @@ does not generalise to those prompts (BENCHMARKS.md, section 3).
 import argparse
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from data.loader import read_arrow_dataset
+from eval_dflash import DrafterProposer, teacher_forced_streak
+from model.export import load_drafter
 
 
 def main(argv=None):
-    from transformers import AutoModelForCausalLM
-
-    from eval_dflash import DrafterProposer, teacher_forced_streak
-    from model.export import load_drafter
-    from train_dflash import read_arrow_dataset
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="local HF causal LM folder")
     p.add_argument("--drafter", required=True, help="exported drafter folder")
