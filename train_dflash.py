@@ -235,8 +235,8 @@ def check_init_from(dcfg) -> list[str]:
     """INIT_FROM's config.json against the drafter this run builds (dcfg), before any model loads. Exits naming
     every setting that differs, both values and the flag that fits the export; returns notes on fields that are
     not shapes (RoPE, norm eps, context length), which the run takes from its target."""
-    from model.export import config_from_serving
-    src = config_from_serving(json.loads((Path(INIT_FROM) / "config.json").read_text()))
+    from model.drafter import DrafterConfig
+    src = DrafterConfig.from_serving(json.loads((Path(INIT_FROM) / "config.json").read_text()))
 
     def as_setting(field, cfg):   # the field as the value of the setting that decides it
         v = getattr(cfg, field)
