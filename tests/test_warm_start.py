@@ -17,7 +17,7 @@ def assets(tmp_path_factory):
     return make_target(root / "target"), make_dataset(root / "data", n=16)
 
 
-def export(target_dir, out, layers=1, block_size=4, seed=123, dtype=None):
+def export(target_dir, out, layers=1, block_size=4, seed=123, dtype=torch.float32):
     """A drafter for target_dir with weights unlike the trainer's own seed-0 init, exported to out."""
     from transformers import AutoConfig
     from model.drafter import Drafter, DrafterConfig
