@@ -1,4 +1,4 @@
-"""Measure a DFlash drafter the way it is served (spec section 4): tau, losslessness, speed, and DDTree.
+"""Measure a DFlash drafter the way it is served (docs/ALGORITHM.md, section 5): tau, losslessness, speed, and DDTree.
 
     python eval_dflash.py --target ~/.cache/dflash/smollm2-135m-instruct --drafter runs/x/export \
         --prompts data/default/eval_prompts.jsonl --limit 40 --max-new-tokens 256 --tree-budget 32 --out tau.json
@@ -14,7 +14,7 @@ context (model.drafter.DrafterCache):
 Choices (documented here once):
   - tau of a prompt = mean over verify steps of the tokens that step committed (accepted + 1, cut at eos and at
     max_new_tokens); the first token comes from the prefill and is no step. Overall / per category: mean over
-    prompts (spec). The histogram counts committed tokens per step (1..B).
+    prompts (docs/ALGORITHM.md, section 5). The histogram counts committed tokens per step (1..B).
   - Prompt rows: `messages` (OpenAI), `prompt` (a string, sent as one user message) or pre-tokenized `input_ids`;
     optional `id`, `category`. Multi-turn rows keep the system messages before the first user turn and that turn
     only: MT-Bench's second question refers to an answer the row does not have. Templated exactly as in training

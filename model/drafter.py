@@ -19,7 +19,8 @@ from .attention import AttnSpec, make_attn_spec
 
 
 def default_layer_ids(n_layers: int, k: int) -> list[int]:
-    """K target layers to tap, spread from layer 1 to n-3 (spec section 1; z-lab's build_target_layer_ids)."""
+    """K target layers to tap, spread from layer 1 to n-3 (docs/ALGORITHM.md, section 1; z-lab's
+    build_target_layer_ids)."""
     if k == 1:
         return [n_layers // 2]
     return [int(round(1 + i * (n_layers - 4) / (k - 1))) for i in range(k)]

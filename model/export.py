@@ -1,7 +1,7 @@
 """Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields), model.safetensors with bare
-keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (spec section 3), and the modeling code
-for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`: modeling_dflash.py with
-this project's drafter.py and attention.py beside it (REMOTE_CODE)."""
+keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (docs/ALGORITHM.md, section 4), and the
+modeling code for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`:
+modeling_dflash.py with this project's drafter.py and attention.py beside it (REMOTE_CODE)."""
 import json
 import os
 import shutil
