@@ -126,7 +126,7 @@ def prune(root: Path, keep_last: int, newest: int | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# --- one job per OUT_DIR ------------------------------------------------------------------------------------------------
+# --- one job per OUT_DIR ----------------------------------------------------------------------------------------------
 
 LOCK_NAME = ".lock"
 _HELD = {}   # resolved OUT_DIR -> the open lock file (kept open: closing it releases the lock)
@@ -267,7 +267,7 @@ def git_revision() -> str:
         return "unknown"
 
 
-# --- the training state: what a checkpoint holds, and what a resume reads back ------------------------------------------
+# --- the training state: what a checkpoint holds, and what a resume reads back ----------------------------------------
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
 

@@ -33,9 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import checkpoint as ckpt
 import eval_dflash
 import planner
-from data.chat import template_hash
-from data.loader import Data, DataError, Schedule
-from data.prepare import tokenizer_hash
+from data.loader import Data, DataError, Schedule, read_stats, tokenizer_mismatches
 from model import fp8
 from model.attention import set_flex_kernel_options, static_lengths, warmup_flex_attention
 from model.drafter import COMPILE_MODES, Drafter, DrafterConfig, compile_drafter
@@ -215,8 +213,8 @@ def check_config(world: int) -> None:
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
         elif not any(next(tgt.glob(pat), None) for pat in ckpt.WEIGHT_FILES):
-            errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): download the "
-                        f"model's weight files into it")
+            errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
+                        f"download the model's weight files into it")
     if FLEX_OPTIONS:
         try:
             if not isinstance(json.loads(FLEX_OPTIONS), dict):
@@ -295,34 +293,6 @@ def load_init_from(drafter) -> str:
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return "/".join(dtypes)
-
-
-def read_stats(data_dir) -> dict:
-    """DATA/stats.json as data.prepare wrote it ({} for a dataset made another way)."""
-    path = Path(data_dir) / "stats.json"
-    try:
-        return json.loads(path.read_text()) if path.exists() else {}
-    except ValueError as e:
-        sys.exit(f"error: {path} is not JSON ({e}); prepare DATA again with `python -m data.prepare`")
-
-
-def check_data_tokenizer(stats: dict, tok) -> list[str]:
-    """The dataset's token ids and loss masks mean what they should only under the tokenizer and chat template it was
-    prepared with: compare the hashes data.prepare recorded with TARGET's. -> one error line per mismatch."""
-    errs = []
-    fix = (f"prepare DATA again with `python -m data.prepare --tokenizer {TARGET} ...`, or train the target it was "
-           f"made for")
-    made_with = stats.get("tokenizer", "?")
-    if stats.get("tokenizer_hash") and stats["tokenizer_hash"] != tokenizer_hash(tok):
-        errs.append(f"DATA={DATA} was tokenized with the tokenizer of {made_with} (vocabulary hash "
-                    f"{stats['tokenizer_hash'][:12]}), TARGET={TARGET} has another one ({tokenizer_hash(tok)[:12]}): "
-                    f"its token ids mean other tokens; {fix}")
-    if stats.get("chat_template_hash") and stats["chat_template_hash"] != template_hash(tok):
-        errs.append(f"DATA={DATA} was rendered with the chat template of {made_with} (hash "
-                    f"{stats['chat_template_hash'][:12]}), TARGET={TARGET}'s template differs "
-                    f"({template_hash(tok)[:12]}): the drafter would learn text laid out unlike what the target serves; "
-                    f"{fix}")
-    return errs
 
 
 def eval_inputs(tok, stats: dict) -> dict:
@@ -414,7 +384,7 @@ class Phase:
             log(f"[rank {self.d.rank} {self.d.role}] {self.name} done ({time.time() - self.t:.1f}s)")
 
 
-# --- one drafter step (the trainer's and the bench's) -------------------------------------------------------------------
+# --- one drafter step (the trainer's and the bench's) -----------------------------------------------------------------
 
 def mask_lengths(cfg, device, flex):
     """The flex masks' fixed (Q_LEN, KV_LEN) on a GPU: MAX_ANCHORS blocks against TOKEN_BUDGET context rows, so
@@ -629,9 +599,12 @@ def drafter_config(d, config):
         tok = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
     except (OSError, ValueError):
         tok = None
-    stats = read_stats(DATA)
+    try:
+        stats = read_stats(DATA)
+    except DataError as e:
+        sys.exit(f"error: {e}")
     if tok is not None and stats:
-        errs = check_data_tokenizer(stats, tok)
+        errs = tokenizer_mismatches(stats, tok, DATA, TARGET)
         if errs:
             sys.exit("error: DATA does not match TARGET:\n  - " + "\n  - ".join(errs))
     elif d.is_master and stats.get("tokenizer_hash"):
@@ -928,7 +901,7 @@ def main(argv):
         fail(watchdog, reason, traceback.format_exc())
 
 
-# --- the drafter loop ---------------------------------------------------------------------------------------------------
+# --- the drafter loop -------------------------------------------------------------------------------------------------
 
 @dataclass
 class Run:

@@ -19,6 +19,7 @@ Every mode prints the planner's memory estimate (planner.py) next to the measure
 """
 import argparse
 import functools
+import gc
 import itertools
 import json
 import os
@@ -29,14 +30,28 @@ import traceback
 from collections import deque
 from pathlib import Path
 
+import pyarrow as pa
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.profiler import ProfilerActivity, profile as torch_profile
+from transformers import AutoModelForCausalLM
 
 import planner
 import train_dflash as td
-from model.objective import micro_seed
-from model.target import target_features
-from pipe import Prefetcher
+from data.batching import BatchPlan
+from model import ce_kernel, fp8, objective
+from model.attention import dflash_mask_mod, flex_kernel_options, set_flex_kernel_options, to_device, \
+    warmup_flex_attention
+from model.drafter import Drafter, DrafterConfig, compile_drafter
+from model.fp8 import convert_drafter, quantize_target
+from model.objective import micro_seed, pack, sample_anchors, set_ce_kernel
+from model.target import Target, target_features
+from optim import make_optimizer
+from pipe import Packet, Prefetcher, Sender, receive
 
 # --- shapes -----------------------------------------------------------------------------------------------------------
 # name: family, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, rope_theta, tied embeddings, MASK id
@@ -58,7 +73,6 @@ TINY_DEFAULTS = dict(seq=64, anchors=8, block=4, layers=2, min_len=16)       # -
 # --- models -----------------------------------------------------------------------------------------------------------
 
 def hf_config(shape: str):
-    import transformers
     fam, n, H, nh, nkv, D, I, V, theta, tied, _ = SHAPES[shape]
     cls = transformers.Qwen3Config if fam == "qwen3" else transformers.LlamaConfig
     return cls(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=n, num_attention_heads=nh,
@@ -85,8 +99,6 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
     """A model.target.Target around a random HF model built on the meta device and materialised on `device`
     (an 8B model in seconds on a GPU; no fp32 CPU init, no files). fp8: TARGET_FP8 (before compiling, as the
     trainer does)."""
-    from transformers import AutoModelForCausalLM
-    from model.target import Target
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kw)
@@ -116,7 +128,6 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
     t.lm_head_weight = model.get_output_embeddings().weight
     t.device, t.dtype = torch.device(device), t.embed_tokens.weight.dtype
     if fp8:
-        from model.fp8 import quantize_target
         quantize_target(t)
     if compile_layers:
         t.compile_layers()
@@ -125,7 +136,6 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
 
 def build_drafter(dcfg, device, seed=0):
     """model.drafter.Drafter in fp32 (the master weights), initialised on `device` like Drafter._init_weights."""
-    from model.drafter import Drafter
     with torch.device("meta"):
         d = Drafter(dcfg)
     d.to_empty(device=device)
@@ -150,7 +160,6 @@ def batch_lengths(args, n: int) -> list[list[int]]:
     micro-batches by the trainer's data.batching.BatchPlan under TOKEN_BUDGET = batch * seq."""
     if not args.mixed:
         return [[args.seq] * args.batch for _ in range(n)]
-    from data.batching import BatchPlan
     gen = torch.Generator().manual_seed(args.seed)
     budget = args.batch * args.seq
     per = max(1, budget // args.min_len)
@@ -288,7 +297,6 @@ def profile(n, fn, c, rows=30, trace=None):
     trace: also write the timeline there (chrome trace JSON: where the GPU waits, and on what)."""
     if not n:
         return ""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.device.type == "cuda" else [])
     c.sync()
     with torch_profile(activities=acts) as prof:
@@ -316,19 +324,15 @@ class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
     def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True, fp8=False):
-        from model.drafter import compile_drafter
-        from model.objective import set_ce_kernel
         self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
         if fp8:                                            # DRAFTER_FP8, in the trainer's order
-            from model.fp8 import convert_drafter
             convert_drafter(self.drafter)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         set_ce_kernel(ce_kernel)
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
         params = list(self.drafter.parameters())
         self.params = params
-        from optim import make_optimizer
         self.opt = make_optimizer(self.drafter, td.LR, td.WEIGHT_DECAY, overlap=overlap)
         self.autocast = td.autocast_for(c.device, c.dtype)
         self.step_w = torch.zeros(1, device=c.device, dtype=torch.float64)
@@ -391,7 +395,6 @@ def synthetic_features(c, T):
 
 def packet_anchors(lengths, loss_mask, g):
     """(doc_ids, positions, anchors) of micro-batch g as model.objective.prepare draws them (same seed)."""
-    from model.objective import pack, sample_anchors
     doc_ids, positions = pack(lengths)
     anchors = sample_anchors(loss_mask, doc_ids, td.MAX_ANCHORS, torch.Generator().manual_seed(micro_seed(td.SEED, g)),
                              td.MIN_ANCHORS_PER_DOC)
@@ -400,14 +403,12 @@ def packet_anchors(lengths, loss_mask, g):
 
 def synthetic_packet(c, lengths, g):
     """What a drafter rank receives for micro-batch g of these sequence lengths: tokens packed, random features."""
-    from pipe import Packet
     ids, mask, attn, n = make_batch(lengths, c.sizes.V, c.mask_id, g)
     keep = attn.bool()
     return Packet(g, n, ids[keep], mask[keep], synthetic_features(c, int(n.sum())))
 
 
 def bench_drafter(args, c) -> dict:
-    from model.attention import warmup_flex_attention
     if args.switch_interval:   # how often the feeder thread must hand the GIL back to the main (launching) thread
         sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
@@ -493,9 +494,6 @@ FLEX_CANDIDATES = {   # name -> kernel_options (None: torch's defaults for this 
 def doc_mask_mod_twin(bm, packet, c):
     """bm's tiles with the document-compare mask_mod (model.attention.dflash_mask_mod, tensors padded as the trainer
     padded them before interval_mask_mod): what the mask_mod's own cost is inside the partial tiles."""
-    import torch.nn.functional as F
-    from torch.nn.attention.flex_attention import BlockMask
-    from model.attention import dflash_mask_mod, to_device
     B = c.dcfg.block_size
     q_len, kv_len = bm.seq_lengths
     ctx_doc, _, a_idx = packet_anchors(packet.lengths, packet.loss_mask, packet.g)
@@ -513,8 +511,6 @@ def bench_flex(args, c) -> dict:
     """One drafter layer's flex_attention, forward and forward + backward, on the real mask of a bench micro-batch
     (the trainer's prepare), for each kernel_options candidate (--flex-options: only that one, against the
     default). Each candidate compiles its own kernels (~10-30 s)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    from model.attention import flex_kernel_options
     if not c.flex:
         raise SystemExit("--mode flex needs a GPU: flex_attention has no backward on the CPU")
     cands = dict(FLEX_CANDIDATES) if not args.flex_options else \
@@ -594,7 +590,6 @@ def bench_flex(args, c) -> dict:
 def bench_ce(args, c) -> dict:
     """The CE epilogue alone on one [CE_CHUNK, V] chunk of bf16 logits, per kernel: ms, the bandwidth of its
     minimum traffic (one read and one write of the chunk), and its largest difference from the eager epilogue."""
-    from model import ce_kernel, objective
     rows_n, V = td.CE_CHUNK, c.sizes.V
     g = torch.Generator(device=c.device).manual_seed(0)
     logits = (torch.randn(rows_n, V, device=c.device, generator=g) * 2).to(c.dtype)
@@ -699,8 +694,6 @@ def bench_pipeline(args, c) -> dict:
     """World size 1: the commands. Under torchrun with 2 ranks: rank 0 produces (the target forward with
     --pipe-compute, else a ready feature tensor) through pipe.Sender, rank 1 consumes through pipe.receive and a
     Prefetcher (the drafter step with --pipe-compute)."""
-    import torch.distributed as dist
-    from pipe import Packet, Sender, receive
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return {"commands": pipeline_commands(args)}
@@ -739,7 +732,6 @@ def bench_pipeline(args, c) -> dict:
     else:
         rig = DrafterRig(c, args.seed, args.compile_drafter) if args.pipe_compute else None
         if rig and c.flex:
-            from model.attention import warmup_flex_attention
             warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
                                   c.dcfg.head_dim, c.dcfg.block_size,
                               td.mask_lengths(c.dcfg, c.device, c.flex))
@@ -781,7 +773,6 @@ def write_assets(args, c, out: Path, rows: int = 512) -> dict:
     safetensors, no tokenizer: pass MASK_TOKEN_ID) and a synthetic prepared dataset of `rows` sequences in the
     Arrow layout data.loader.read_arrow_dataset reads (lengths: seq, or uniform in [min_len, seq] with --mixed), so
     the trainer's pipeline can be measured at the bench shape without weights or data."""
-    import pyarrow as pa
     out.mkdir(parents=True, exist_ok=True)
     target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, seed=args.seed)
     target.model.save_pretrained(out / "target", max_shard_size="5GB")
@@ -961,7 +952,6 @@ class Context:
     """Device, dtype, shapes and the trainer's settings for this run."""
 
     def __init__(self, args):
-        from model.drafter import DrafterConfig
         cuda = torch.cuda.is_available() and not args.cpu
         local = int(os.environ.get("LOCAL_RANK", 0))
         if cuda:
@@ -976,7 +966,6 @@ class Context:
             if getattr(args, name.lower()) is not None:
                 setattr(td, name, getattr(args, name.lower()))
         if args.flex_options and args.mode != "flex":
-            from model.attention import set_flex_kernel_options
             set_flex_kernel_options(json.loads(args.flex_options))
         self.hf = hf_config(args.shape)
         self.mask_id = SHAPES[args.shape][-1]
@@ -1004,7 +993,6 @@ class Context:
         return torch.cuda.max_memory_allocated()
 
     def free(self):
-        import gc
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -1015,7 +1003,6 @@ class Context:
 
 
 def environment(c) -> dict:
-    import transformers
     dev = torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"
     mem = torch.cuda.get_device_properties(c.device).total_memory if c.device.type == "cuda" else None
     try:
@@ -1103,7 +1090,6 @@ def run(args) -> dict:
     if world > 1 and (not torch.cuda.is_available() or args.cpu):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))     # the two CPU ranks share the cores
     c = Context(args)
-    from model import fp8
     errs = [e for name, flag in (("TARGET_FP8", "--target-fp8"), ("DRAFTER_FP8", "--drafter-fp8"))
             if getattr(args, name.lower()) and (e := fp8.check(name, c.device, fix=f"leave out {flag}"))]
     if errs:

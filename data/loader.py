@@ -1,8 +1,9 @@
 """The prepared dataset as the trainer reads it, and the schedule that numbers its micro-batches.
 
 `Data` loads a `datasets.save_to_disk` folder (data.prepare / data.merge) into flat numpy arrays, drops the rows that
-cannot train (counted by reason) and plans the token-budget micro-batches (data/batching.py). `Schedule` says which
-rank makes and which consumes micro-batch g, which g an optimizer step takes, and the learning rate at g.
+cannot train (counted by reason) and plans the token-budget micro-batches (data/batching.py); `read_stats` and
+`tokenizer_mismatches` check the folder's stats.json against the target's tokenizer. `Schedule` says which rank
+makes and which consumes micro-batch g, which g an optimizer step takes, and the learning rate at g.
 """
 import hashlib
 import json
@@ -14,6 +15,8 @@ import pyarrow as pa
 import torch
 
 from data.batching import BatchPlan
+from data.chat import template_hash
+from data.prepare import tokenizer_hash
 
 
 class DataError(ValueError):
@@ -30,6 +33,35 @@ def read_arrow_dataset(path):
         return load_from_disk(str(path)).flatten_indices().data.table
     files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
     return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files])
+
+
+def read_stats(data_dir) -> dict:
+    """DATA/stats.json as data.prepare wrote it ({} for a dataset made another way)."""
+    path = Path(data_dir) / "stats.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as e:
+        raise DataError(f"{path} is not JSON ({e}); prepare DATA again with `python -m data.prepare`") from e
+
+
+def tokenizer_mismatches(stats: dict, tok, data_dir, target) -> list[str]:
+    """The dataset's token ids and loss masks mean what they should only under the tokenizer and chat template it was
+    prepared with: compare the hashes data.prepare recorded (stats) with those of the target's tokenizer tok.
+    data_dir, target: the DATA and TARGET folders, for the messages. -> one error line per mismatch."""
+    errs = []
+    fix = (f"prepare DATA again with `python -m data.prepare --tokenizer {target} ...`, or train the target it was "
+           f"made for")
+    made_with = stats.get("tokenizer", "?")
+    if stats.get("tokenizer_hash") and stats["tokenizer_hash"] != tokenizer_hash(tok):
+        errs.append(f"DATA={data_dir} was tokenized with the tokenizer of {made_with} (vocabulary hash "
+                    f"{stats['tokenizer_hash'][:12]}), TARGET={target} has another one ({tokenizer_hash(tok)[:12]}): "
+                    f"its token ids mean other tokens; {fix}")
+    if stats.get("chat_template_hash") and stats["chat_template_hash"] != template_hash(tok):
+        errs.append(f"DATA={data_dir} was rendered with the chat template of {made_with} (hash "
+                    f"{stats['chat_template_hash'][:12]}), TARGET={target}'s template differs "
+                    f"({template_hash(tok)[:12]}): the drafter would learn text laid out unlike what the target "
+                    f"serves; {fix}")
+    return errs
 
 
 class Data:

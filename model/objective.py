@@ -135,7 +135,8 @@ def prepare(p, cfg, seed, max_anchors, min_per_doc, gamma, flex=False, device="c
                           cfg.sliding_window, flex, device, lengths)   # a BlockMask is planned on the CPU
     return Prepared(g=p.g, tokens=p.num_tokens, num_blocks=len(anchors), features=p.features, lengths=p.lengths,
                     input_ids=p.input_ids, loss_mask=p.loss_mask, ctx_pos=to_device(positions, device),
-                    block_ids=to_device(blk.ids.flatten(), device), block_pos=to_device(blk.positions.flatten(), device),
+                    block_ids=to_device(blk.ids.flatten(), device),
+                    block_pos=to_device(blk.positions.flatten(), device),
                     labels=to_device(blk.labels.flatten(), device), weights=to_device(w, device),
                     rows=to_device(rows, device), attn=attn)
 

@@ -369,15 +369,15 @@ def test_data_of_another_tokenizer_or_template_is_refused(tmp_path):
     from transformers import AutoTokenizer
     from data.chat import template_hash
     from data.prepare import tokenizer_hash
-    import train_dflash as td
+    from data.loader import tokenizer_mismatches
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(tmp_path))
     same = {"tokenizer": "/m/qwen3", "tokenizer_hash": tokenizer_hash(tok), "chat_template_hash": template_hash(tok)}
-    assert td.check_data_tokenizer(same, tok) == []
+    assert tokenizer_mismatches(same, tok, "DATA", "TARGET") == []
     other = AutoTokenizer.from_pretrained(tmp_path / "qwen3_tokenizer")
     other.add_tokens(["<new_token>"])
-    errs = td.check_data_tokenizer({**same, "tokenizer_hash": tokenizer_hash(other)}, tok)
+    errs = tokenizer_mismatches({**same, "tokenizer_hash": tokenizer_hash(other)}, tok, "DATA", "TARGET")
     assert len(errs) == 1 and "was tokenized with the tokenizer of /m/qwen3" in errs[0], errs
-    errs = td.check_data_tokenizer({**same, "chat_template_hash": "0" * 64}, tok)
+    errs = tokenizer_mismatches({**same, "chat_template_hash": "0" * 64}, tok, "DATA", "TARGET")
     assert len(errs) == 1 and "rendered with the chat template of /m/qwen3 (hash 000000000000)" in errs[0], errs
 
     # end to end: refused before any model loads
