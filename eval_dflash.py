@@ -58,9 +58,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from data.chat import render
 from model.drafter import DrafterCache
+from model.export import load_drafter
 from model.target import Target
 
 MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
@@ -169,7 +171,6 @@ def _sync(device):
 @torch.no_grad()
 def greedy_decode(model, prompt_ids, max_new_tokens, eos) -> list[int]:
     """Plain greedy decoding, one token per forward: the losslessness reference."""
-    from transformers import DynamicCache
     dev, L = model.device, len(prompt_ids)
     cache = DynamicCache()
     logits, _ = target_forward(model, torch.tensor(prompt_ids, device=dev), torch.arange(L, device=dev), cache,
@@ -262,7 +263,6 @@ def teacher_forced_streak(model, proposer, prompt_ids, completion, block_size) -
     commits 1 + this per step on average when inference matches training (the anchors it visits are a subset, so
     the two agree closely, not exactly). tau - 1 far below it means the served path differs from the trained one;
     this far below the training log's streak means the drafter does not generalise to these prompts."""
-    from transformers import DynamicCache
     if len(completion) < 2:
         return None
     ids = torch.tensor(list(prompt_ids) + list(completion), device=model.device)            # [L]
@@ -351,7 +351,6 @@ def verify_tree(model, cache, root, draft_logits, start, layer_ids, budget, top_
 def speculative_decode(model, prompt_ids, proposer, block_size, max_new_tokens, eos, tree_budget=0,
                        tree_top_k=TREE_TOP_K) -> dict:
     """-> {tokens: generated ids, steps: tokens committed per verify step}. tree_budget > 0: DDTree verification."""
-    from transformers import DynamicCache
     dev, L = model.device, len(prompt_ids)
     cache = DynamicCache()
     logits, feats = target_forward(model, torch.tensor(prompt_ids, device=dev), torch.arange(L, device=dev), cache,
@@ -389,7 +388,6 @@ def greedy_references(model, prompts_ids, max_new_tokens, eos, batch_size=64) ->
     """Plain greedy continuations of many prompts (what lossless speculative decoding outputs), each up to its
     first eos: HF generate, batched with left padding, prompts of similar length together. The one place to swap
     in a faster engine."""
-    from transformers import GenerationConfig
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos) or None,
                            pad_token_id=min(eos) if eos else 0)   # outputs are cut at the first eos: pads unread
     order = sorted(range(len(prompts_ids)), key=lambda i: len(prompts_ids[i]))
@@ -447,7 +445,6 @@ def walk_evaluate(model, proposers, block_sizes, items, max_new_tokens, eos, tre
                   log) -> list[list[dict]]:
     """Per drafter, the per-prompt results of the walk over items [(row, prompt ids)]: the greedy references in
     batches, then per prompt one target forward shared by every drafter and one drafter forward each."""
-    from transformers import DynamicCache
     todo = [ids for _, ids in items if ("walk", tuple(ids), max_new_tokens) not in reference]
     for ids, y in zip(todo, greedy_references(model, todo, max_new_tokens, eos)):
         reference[("walk", tuple(ids), max_new_tokens)] = y
@@ -736,8 +733,6 @@ def report_lines(res) -> list[str]:
 
 def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
     """Load the target and every drafter of the parsed CLI args `a` in this process and evaluate them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from model.export import load_drafter
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     target = Path(a.target).expanduser()
@@ -808,7 +803,6 @@ def check_args(a) -> list[str]:
         if value is not None and value < lo:
             errs.append(f"{name} {value}: must be at least {lo}")
     try:
-        from transformers import AutoConfig
         target = AutoConfig.from_pretrained(Path(a.target).expanduser(), local_files_only=True).get_text_config()
     except (OSError, ValueError) as e:
         return errs + [f"--target {a.target} is not a local Hugging Face model folder ({str(e)[:120]})"]

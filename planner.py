@@ -14,6 +14,8 @@ prints next to them: calibration is a one-line edit here.
 """
 from dataclasses import dataclass
 
+from model.drafter import default_layer_ids
+
 GiB = 2 ** 30
 BF16, FP32 = 2, 4
 
@@ -112,7 +114,6 @@ def drafter_params(s: Sizes, L: int, K: int) -> int:
 
 
 def layer_ids_of(cfg: dict, n_layers: int) -> list[int]:
-    from model.drafter import default_layer_ids
     ids = cfg.get("TARGET_LAYER_IDS") or ""
     if isinstance(ids, str):
         ids = [int(x) for x in ids.split(",") if x.strip()]
