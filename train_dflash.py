@@ -237,7 +237,6 @@ def check_config(world: int) -> None:
 
 # --- warm start (INIT_FROM) -----------------------------------------------------------------------------------------
 
-
 # The drafter fields that make an export fit this run, each with the setting that decides it here ("TARGET": it
 # comes from the target's config). Exports differing in any of these are refused before any model loads.
 INIT_FROM_FIELDS = [
@@ -255,20 +254,20 @@ def check_init_from(dcfg) -> list[str]:
     not shapes (RoPE, norm eps, context length), which the run takes from its target."""
     src = DrafterConfig.from_serving(json.loads((Path(INIT_FROM) / "config.json").read_text()))
 
-    def as_setting(field, cfg):   # the field as the value of the setting that decides it
-        v = getattr(cfg, field)
+    def as_setting(key, cfg):   # the field as the value of the setting that decides it
+        v = getattr(cfg, key)
         return {"target_layer_ids": lambda: ",".join(map(str, v)),
-                "layer_types": lambda: v.count("sliding_attention"), "sliding_window": lambda: v or 0}.get(field,
+                "layer_types": lambda: v.count("sliding_attention"), "sliding_window": lambda: v or 0}.get(key,
                                                                                                     lambda: v)()
     errs, of_target = [], []
-    for field, setting in INIT_FROM_FIELDS:
-        ours, theirs = as_setting(field, dcfg), as_setting(field, src)
+    for key, setting in INIT_FROM_FIELDS:
+        ours, theirs = as_setting(key, dcfg), as_setting(key, src)
         if ours == theirs:
             continue
         if setting == "TARGET":
-            of_target.append((field, ours, theirs))
+            of_target.append((key, ours, theirs))
         else:
-            errs.append(f"{setting}: this run has {ours} ({field}), the drafter in INIT_FROM {theirs}: pass "
+            errs.append(f"{setting}: this run has {ours} ({key}), the drafter in INIT_FROM {theirs}: pass "
                         f"--{setting}={theirs}")
     if of_target:
         errs.append(f"the target (TARGET={TARGET}) has " + ", ".join(f"{f}={o}" for f, o, _ in of_target)

@@ -193,3 +193,22 @@ def test_block_mask_tile_boundaries():
                 for m in (want, got):
                     m.full = BlockMask.from_kv_blocks(m.full_kv_num_blocks, m.full_kv_indices).to_dense()
                 assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.full, want.full)
+
+
+@pytest.mark.parametrize("layout", ["packed", "interleaved"])
+def test_attn_spec_lists_every_tensor_its_masks_read(layout):
+    """AttnSpec.device_tensors (what pipe.handoff hands from the side stream to the training stream): each mask's
+    index tensors and every tensor its mask_mod captured (the reference: the mask_mod's closure cells), for the
+    interval fast path and the create_block_mask fallback, full and sliding masks; dense masks are themselves."""
+    from model.attention import make_attn_spec
+    doc = torch.tensor([0] * 20 + [1] * 20 + ([0] * 20 if layout == "interleaved" else [2] * 20))
+    anchors = torch.tensor([5, 25, 45])
+    types = ["full_attention", "sliding_attention"]
+    spec = make_attn_spec(anchors, doc[anchors], doc, 4, types, sliding_window=8, flex=True)
+    got = {id(t) for t in spec.device_tensors()}
+    for m in (spec.full, spec.sliding):
+        want = [t for t in m.as_tuple() if isinstance(t, torch.Tensor)]
+        want += [c.cell_contents for c in m.mask_mod.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+        assert len(want) > 3 and {id(t) for t in want} <= got
+    dense = make_attn_spec(anchors, doc[anchors], doc, 4, types, sliding_window=8, flex=False)
+    assert [id(t) for t in dense.device_tensors()] == [id(dense.full), id(dense.sliding)]

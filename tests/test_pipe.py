@@ -1,0 +1,93 @@
+"""pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks, the
+one-process mode and the bench), and checkpoint.resume_point, where a resumed run continues."""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import checkpoint as ckpt
+from pipe import Prefetcher
+
+
+class Item:
+    def __init__(self, g, thread):
+        self.g, self.thread = g, thread
+
+    def device_tensors(self):
+        return []
+
+
+def test_prefetcher_prepares_on_its_thread_in_order_and_depth_ahead():
+    seen = []
+
+    def packets():
+        for g in range(10):
+            seen.append(g)
+            yield g
+    feed = Prefetcher(packets(), lambda g: Item(g, threading.current_thread().name), "cpu", depth=3, name="feeder")
+    feed.start()
+    deadline = time.time() + 10
+    while len(seen) < 4 and time.time() < deadline:   # 3 queued + 1 waiting to be put
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(seen) == 4, "the thread runs exactly depth (+ the one it holds) ahead of the consumer"
+    got = [feed.get() for _ in range(10)]
+    assert [i.g for i in got] == list(range(10)) and {i.thread for i in got} == {"feeder"}
+    assert len(feed.prepare_s) == len(feed.prepare_cpu_s) == 10
+
+
+def test_prefetcher_error_reaches_the_consumer_or_ends_the_job():
+    def packets():
+        yield 0
+        raise OSError("disk gone")
+    feed = Prefetcher(packets(), lambda g: Item(g, ""), "cpu", depth=2, name="feeder")
+    feed.start()
+    assert feed.get().g == 0
+    with pytest.raises(RuntimeError, match=r"^feeder thread: OSError: disk gone$"):
+        feed.get()
+    failed = []
+    feed = Prefetcher(packets(), lambda g: Item(g, ""), "cpu", depth=2, name="receiver",
+                      fail=lambda reason, detail: failed.append((reason, detail)))
+    feed.start()
+    feed.join(timeout=10)
+    assert failed and failed[0][0] == "receiver thread: OSError: disk gone" and "Traceback" in failed[0][1]
+
+
+def test_prefetcher_stop_ends_a_thread_blocked_on_a_full_queue():
+    def forever():
+        g = 0
+        while True:
+            yield g
+            g += 1
+    feed = Prefetcher(forever(), lambda g: Item(g, ""), "cpu", depth=1)
+    feed.start()
+    feed.get()
+    feed.stop()
+    assert not feed.is_alive()
+
+
+def data(content_hash="a", num_batches=10, rows=40):
+    return SimpleNamespace(content_hash=content_hash, num_rows=rows, plan=SimpleNamespace(num_batches=num_batches))
+
+
+META = {"next_g": 6, "step": 3, "planned_g": 30, "config": {"EPOCHS": 3, "MAX_STEPS": 0},
+        "data": {"content_hash": "a", "num_batches": 10, "rows": 40}}
+CFG = {"EPOCHS": 3, "MAX_STEPS": 0, "ALLOW_DATA_CHANGE": False}
+
+
+def test_resume_point_continues_where_the_checkpoint_stopped():
+    assert ckpt.resume_point(None, data(), CFG) == ckpt.ResumePoint()
+    rp = ckpt.resume_point(META, data(), CFG)
+    assert (rp.start_g, rp.step, rp.planned_g, rp.notes, rp.error) == (6, 3, 30, [], None)
+    rp = ckpt.resume_point(META, data(), {**CFG, "EPOCHS": 6})          # the schedule's length is re-planned
+    assert (rp.start_g, rp.planned_g) == (6, None) and "re-planned" in rp.notes[0]
+
+
+def test_resume_point_moves_to_the_same_fraction_when_batching_or_data_change():
+    rp = ckpt.resume_point(META, data(num_batches=20), CFG)          # same data, another TOKEN_BUDGET
+    assert (rp.start_g, rp.planned_g, rp.error) == (12, None, None) and "batching changed" in rp.notes[0]
+    rp = ckpt.resume_point(META, data("b", num_batches=5), CFG)      # another dataset: refused ...
+    assert "dataset changed" in rp.error and "ALLOW_DATA_CHANGE" in rp.error
+    rp = ckpt.resume_point(META, data("b", num_batches=5), {**CFG, "ALLOW_DATA_CHANGE": True})   # ... unless allowed
+    assert (rp.start_g, rp.planned_g, rp.error) == (3, None, None) and rp.notes[0].startswith("WARNING: dataset")
