@@ -31,6 +31,8 @@ import torch
 import planner
 import train_dflash as td
 from bench import bench_dflash as bd
+from model.fp8 import quantize_target
+from model.target import Target, target_features
 
 ANCHORS = (512, 2048)       # blocks per 4 x 3072 micro-batch: the seeds' default, the peer's work
 # per-role rates measured on H200s (BENCHMARKS.md): the compiled target, the compiled drafter's step at each density
@@ -130,7 +132,7 @@ def part_split(res, _c=None):
 
 def _features(target, batch, c):
     ids, _, attn, _ = batch
-    return td.target_features(target, ids, attn, c.device)                       # [T, K*H]
+    return target_features(target, ids, attn, c.device)                          # [T, K*H]
 
 
 def _time_forward(target, batch, c, steps):
@@ -144,8 +146,6 @@ def _time_forward(target, batch, c, steps):
 
 
 def part_target(res, c, args):
-    from model.fp8 import quantize_target
-    from model.target import Target
     lengths = [3072] * 4
     batch = bd.make_batch(lengths, c.sizes.V, c.mask_id, 0)
     batch = (batch[0].pin_memory(), batch[1], batch[2].pin_memory(), batch[3])
