@@ -23,7 +23,8 @@ def random_layout(seed, n_docs=3, B=4, pad=0):
 
 
 def naive_mask(doc, pos, anchors, B, causal_block=False, window=None):
-    """Straight from the spec, in document positions rather than packed indices, one pair at a time."""
+    """Straight from docs/ALGORITHM.md (section 2, the mask), in document positions rather than packed indices, one
+    pair at a time."""
     T, N = len(doc), len(anchors)
     M = N * B
     m = torch.zeros(M, T + M, dtype=torch.bool)
