@@ -98,6 +98,7 @@ DUMP_BATCHES = 0            # drafters save the first N received micro-batches t
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_")]
 REPO = Path(__file__).resolve().parent
+SECOND_SIGNAL_S = 2.0       # a signal this long after the first ends the job now; sooner it is the same one, forwarded
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
 # Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
 # Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
@@ -923,11 +924,18 @@ def main(argv):
 
     stop_flag = threading.Event()
 
+    first_signal = []
+
     def on_signal(signum, _frame):
         name = signal.Signals(signum).name
-        if stop_flag.is_set():   # the second one: the next step may never come (a stuck rank, a wait on input)
+        # the second one ends the job: the next step may never come (a stuck rank, a wait on input). One Ctrl-C
+        # reaches a rank twice, from the terminal and forwarded by torchrun a moment later: that is still the first.
+        if first_signal and time.monotonic() - first_signal[0] > SECOND_SIGNAL_S:
             fail(f"got a second {name}: ending now, without a checkpoint; RESUME=auto continues from the newest "
                  f"complete one in {ck_root}")
+        if first_signal:
+            return
+        first_signal.append(time.monotonic())
         stop_flag.set()  # acted on at the next optimizer step boundary
         log(f"[rank {d.rank} {d.role}] got {name}: saving a checkpoint at the next step (send it again to end now)")
     signal.signal(signal.SIGTERM, on_signal)
