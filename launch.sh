@@ -6,7 +6,8 @@
 #   bash launch.sh --TARGET=/models/Qwen3-8B --DATA=/data/prepared --TARGET_RANKS=5     # any --NAME=VALUE
 #   NGPU=4 SESSION=qwen bash launch.sh --TARGET=... --DATA=... --OUT_DIR=runs/qwen
 #
-# It runs:   tmux new-session -d -s $SESSION "torchrun --nproc-per-node $NPROC train_dflash.py ... | tee $OUT_DIR/train.log"
+# It runs:   tmux new-session -d -s $SESSION "torchrun --nproc-per-node $NPROC train_dflash.py ... | tee -i $OUT_DIR/train.log"
+#            (tee -i: Ctrl-C stops the job, which then logs its checkpoint, not the log)
 # Watch:     tmux capture-pane -p -t dflash | tail -5         (or attach: tmux attach -t dflash; detach: Ctrl-b d)
 # Stop:      tmux send-keys -t dflash C-c                     (saves a checkpoint; `bash launch.sh` again resumes)
 # Multi-node: on every node run
@@ -122,7 +123,7 @@ mkdir -p "$OUT_DIR"
 if [ "$FOREGROUND" = 1 ] || ! command -v tmux >/dev/null; then
     [ "$FOREGROUND" = 1 ] || echo "launch: tmux not found, running in the foreground"
     set +e
-    "${CMD[@]}" 2>&1 | tee -a "$LOG"
+    "${CMD[@]}" 2>&1 | tee -i -a "$LOG"
     exit "${PIPESTATUS[0]}"
 fi
 if tmux has-session -t "=$SESSION" 2>/dev/null; then   # its job has ended (checked above): the pane only holds output
@@ -130,7 +131,7 @@ if tmux has-session -t "=$SESSION" 2>/dev/null; then   # its job has ended (chec
     tmux kill-session -t "=$SESSION"
 fi
 # the pane marks its session when the job ends, so the next launch knows the session is free to replace
-tmux new-session -d -s "$SESSION" -x 250 -y 50 "$QUOTED 2>&1 | tee -a $(printf '%q' "$LOG"); tmux set-environment -t $(printf '%q' "=$SESSION") DFLASH_JOB ended; echo '[launch] job ended; this pane stays open (Ctrl-d closes it; the next launch.sh replaces it)'; exec bash"
+tmux new-session -d -s "$SESSION" -x 250 -y 50 "$QUOTED 2>&1 | tee -i -a $(printf '%q' "$LOG"); tmux set-environment -t $(printf '%q' "=$SESSION") DFLASH_JOB ended; echo '[launch] job ended; this pane stays open (Ctrl-d closes it; the next launch.sh replaces it)'; exec bash"
 cat <<MSG
 launch: started in tmux session '$SESSION'
   status:  tmux capture-pane -p -t $SESSION | tail -5

@@ -119,7 +119,7 @@ DUMP_BATCHES = 0            # drafters save the first N received micro-batches t
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_") and k not in _IMPORTED]
 REPO = Path(__file__).resolve().parent
-
+SECOND_SIGNAL_S = 2.0       # a signal this long after the first ends the job now; sooner it is the same one, forwarded
 # Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
 # Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
 RANGES = {
@@ -557,12 +557,18 @@ def fail(watchdog, reason, detail=""):
 def on_signals(d, watchdog, ck_root) -> threading.Event:
     """SIGTERM / SIGINT set the returned flag, acted on at the next optimizer step boundary; a second one ends now."""
     stop_flag = threading.Event()
+    first_signal = []   # when the first one came
 
     def handler(signum, _frame):
         name = signal.Signals(signum).name
-        if stop_flag.is_set():   # the second one: the next step may never come (a stuck rank, a wait on input)
+        # the second one ends the job: the next step may never come (a stuck rank, a wait on input). One Ctrl-C
+        # reaches a rank twice, from the terminal and forwarded by torchrun a moment later: that is still the first.
+        if first_signal and time.monotonic() - first_signal[0] > SECOND_SIGNAL_S:
             fail(watchdog, f"got a second {name}: ending now, without a checkpoint; RESUME=auto continues from the "
                            f"newest complete one in {ck_root}")
+        if first_signal:
+            return
+        first_signal.append(time.monotonic())
         stop_flag.set()
         log(f"[rank {d.rank} {d.role}] got {name}: saving a checkpoint at the next step (send it again to end now)")
     signal.signal(signal.SIGTERM, handler)

@@ -632,6 +632,8 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert runs.wait_for(proc, "saving a checkpoint at the next step", 10, lines), "".join(lines)
+        from train_dflash import SECOND_SIGNAL_S
+        time.sleep(SECOND_SIGNAL_S + 0.5)          # sooner it would be the same signal, forwarded (next test)
         proc.send_signal(signal.SIGTERM)
         code, rest, waited = runs.finish(proc, 20)
     finally:
@@ -640,6 +642,28 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
     log = "".join(lines) + rest
     assert code not in (0, None) and waited < 10, log[-3000:]
     assert "error: got a second SIGTERM: ending now, without a checkpoint" in log, log[-3000:]
+
+
+def test_one_signal_delivered_twice_still_saves_a_checkpoint(assets, faults, tmp_path):
+    """Ctrl-C in launch.sh's tmux pane reaches each rank twice: from the terminal, and forwarded by torchrun a moment
+    later. Two signals within SECOND_SIGNAL_S are one request: the job saves a checkpoint and stops cleanly."""
+    faults(SLOW_FORWARD=0.2)                       # steps slow enough that the run is still going at the signals
+    cmd = [runs.sys.executable, str(runs.REPO / "train_dflash.py"), *args(assets, tmp_path / "run", MAX_STEPS=400)]
+    proc = subprocess.Popen(cmd, cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        assert runs.wait_for(proc, "step=2/", 60, lines), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        code, rest, _ = runs.finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines) + rest
+    assert code == 0 and "stopped at step" in log and "second SIGINT" not in log, log[-3000:]
+    assert list((tmp_path / "run" / "checkpoints").glob("step_*")), log[-3000:]
 
 
 # --- two jobs on one OUT_DIR --------------------------------------------------------------------------------------------
