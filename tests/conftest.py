@@ -37,6 +37,25 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm2(tmp_path_factory):
+    """A random 1-layer Llama (hidden 16) with the real SmolLM2 tokenizer and chat template."""
+    import shutil
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if not (SMOLLM2_DIR / "tokenizer.json").exists():
+        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
+    out = tmp_path_factory.mktemp("tiny_smollm2")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                      initializer_range=0.5)  # large weights: clear argmax margins, so greedy is batch-independent
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(SMOLLM2_DIR / name, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def build_drafter():
     """build_drafter(target_dir, num_layers=2, block_size=4, seed=0, **kw) -> Drafter (fp32, CPU).
     The MASK id is the last row of the tiny vocab."""

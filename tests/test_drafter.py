@@ -1,6 +1,4 @@
 """Drafter: RoPE vs HF, visibility rules, packed == one block at a time, z-lab reference equivalence, training."""
-import importlib.util
-import subprocess
 
 import pytest
 import torch
@@ -150,14 +148,8 @@ def load_zlab(tmp_path):
     if not ZLAB_REPO.exists():
         pytest.skip(f"no z-lab mirror at {ZLAB_REPO} (tests/test_zlab_golden.py still compares with its "
                     f"recorded output)")
-    src = subprocess.run(["git", "-C", str(ZLAB_REPO), "show", "HEAD:dflash/model.py"], capture_output=True,
-                         text=True, check=True).stdout
-    path = tmp_path / "zlab_dflash_model.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("zlab_dflash_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools.zlab_golden import load_reference, reference_source
+    return load_reference(reference_source(ZLAB_REPO)[0], tmp_path)
 
 
 @pytest.mark.parametrize("target", ["tiny_qwen3_dir", "tiny_llama_dir"])

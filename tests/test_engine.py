@@ -2,17 +2,14 @@
 SmolLM2 when present) with fewer slots than prompts and stop ids hit mid-way; the Gumbel sampler's determinism
 per (seed, key) and its distribution; refusals; regenerate's fast engine writing what --engine hf writes. CPU, fp32."""
 import json
-import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import SMOLLM2_DIR
 from data import regenerate as regen
 from data.engine import Engine, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
 
-SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
 
 
 def tiny_model(family: str, vocab=96, layers=2):
@@ -115,24 +112,7 @@ def test_refusals():
         Engine(bad)
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory):
-    """A random 1-layer Llama with the real SmolLM2 tokenizer and chat template."""
-    if not (SMOLLM2_DIR / "tokenizer.json").exists():
-        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
-    from transformers import LlamaConfig, LlamaForCausalLM
-    out = tmp_path_factory.mktemp("tiny_chat")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.5)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(SMOLLM2_DIR / name, out)
-    return out
-
-
-def test_regenerate_fast_engine_writes_what_hf_writes(tmp_path, tiny_chat_model):
+def test_regenerate_fast_engine_writes_what_hf_writes(tmp_path, tiny_smollm2):
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
     rows = [{"id": "a", "messages": [user("What is AI?")]},
             {"id": "b", "messages": [{"role": "system", "content": "Be terse."}, user("q1"),
@@ -144,7 +124,7 @@ def test_regenerate_fast_engine_writes_what_hf_writes(tmp_path, tiny_chat_model)
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def run(out, *extra):
-        regen.main(["--input", str(inp), "--output", str(out), "--model", str(tiny_chat_model), "--device", "cpu",
+        regen.main(["--input", str(inp), "--output", str(out), "--model", str(tiny_smollm2), "--device", "cpu",
                     "--max-new-tokens", "6", "--batch-size", "2", *extra])
         return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 

@@ -7,6 +7,7 @@ inside a process come from tests/faults/sitecustomize.py, put on PYTHONPATH and 
 (see its docstring). Kill points are drawn from a seeded generator, so a failure names a point that reproduces.
 `-m slow` runs the remaining kill points.
 """
+import contextlib
 import errno
 import json
 import os
@@ -619,15 +620,25 @@ def test_one_process_mode_ends_on_an_error_in_its_feeder_thread(assets, faults, 
     assert last.startswith("error: ") and "injected fault in BatchPlan.batch(g=2)" in last, last
 
 
+@contextlib.contextmanager
+def one_process(argv):
+    """`python train_dflash.py ARGV` in its own session, output on proc.stdout; killed if still running at the end."""
+    proc = subprocess.Popen([runs.sys.executable, str(runs.REPO / "train_dflash.py"), *argv], cwd=runs.REPO,
+                            env=runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tmp_path):
     """The feeder thread hangs in its 3rd target forward: the first SIGTERM asks for a checkpoint at the next step,
     which never comes; the second ends the job at once, saying so."""
     faults(HANG_FORWARD=3)
-    cmd = [runs.sys.executable, str(runs.REPO / "train_dflash.py"), *args(assets, tmp_path / "run")]
-    proc = subprocess.Popen(cmd, cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     lines = []
-    try:
+    with one_process(args(assets, tmp_path / "run")) as proc:
         assert runs.wait_for(proc, "FAULT: hanging in target forward", 60, lines), "".join(lines)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
@@ -636,9 +647,6 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
         time.sleep(SECOND_SIGNAL_S + 0.5)          # sooner it would be the same signal, forwarded (next test)
         proc.send_signal(signal.SIGTERM)
         code, rest, waited = runs.finish(proc, 20)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     log = "".join(lines) + rest
     assert code not in (0, None) and waited < 10, log[-3000:]
     assert "error: got a second SIGTERM: ending now, without a checkpoint" in log, log[-3000:]
@@ -648,19 +656,13 @@ def test_one_signal_delivered_twice_still_saves_a_checkpoint(assets, faults, tmp
     """Ctrl-C in launch.sh's tmux pane reaches each rank twice: from the terminal, and forwarded by torchrun a moment
     later. Two signals within SECOND_SIGNAL_S are one request: the job saves a checkpoint and stops cleanly."""
     faults(SLOW_FORWARD=0.2)                       # steps slow enough that the run is still going at the signals
-    cmd = [runs.sys.executable, str(runs.REPO / "train_dflash.py"), *args(assets, tmp_path / "run", MAX_STEPS=400)]
-    proc = subprocess.Popen(cmd, cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     lines = []
-    try:
+    with one_process(args(assets, tmp_path / "run", MAX_STEPS=400)) as proc:
         assert runs.wait_for(proc, "step=2/", 60, lines), "".join(lines)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         code, rest, _ = runs.finish(proc, 60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     log = "".join(lines) + rest
     assert code == 0 and "stopped at step" in log and "second SIGINT" not in log, log[-3000:]
     assert list((tmp_path / "run" / "checkpoints").glob("step_*")), log[-3000:]

@@ -3,7 +3,6 @@ the errors file, through a fake OpenAI-compatible server on loopback and through
 Llama with the SmolLM2 tokenizer. CPU, a few seconds."""
 import hashlib
 import json
-import os
 import shutil
 import threading
 from collections import Counter
@@ -12,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMOLLM2_DIR
 from data import regenerate as regen
 from data.chat import RowError, normalize_messages
 
-SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
 QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
 
 
@@ -321,25 +320,6 @@ def test_local_batch_failure_fails_one_row(tmp_path):
     rows = by_id(tmp_path / "o.jsonl")
     assert set(rows) == {"0", "2", "3"} and sink.n_failed == 1
     assert rows["2"]["messages"] == [user("y"), assistant("turn0"), user("z"), assistant("turn1")]
-
-
-@pytest.fixture(scope="module")
-def tiny_smollm2(tmp_path_factory):
-    """A random 1-layer Llama (hidden 16) with the real SmolLM2 tokenizer and chat template."""
-    if not (SMOLLM2_DIR / "tokenizer.json").exists():
-        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    out = tmp_path_factory.mktemp("tiny_smollm2")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                      initializer_range=0.5)  # large weights: clear argmax margins, so greedy is batch-independent
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(SMOLLM2_DIR / name, out)
-    return out
 
 
 def test_local_resume_matches_fresh_run(tmp_path, tiny_smollm2):
