@@ -14,10 +14,16 @@ index (static shapes), sampling, stop checks, all on the GPU. The step is one CU
 (so short contexts don't read all of max_len), replayed SYNC_EVERY times between host syncs; at a sync finished
 slots are read back and, once enough are free, refilled. The model's own Linear / RMSNorm / MLP modules, its
 rotary embedding module and its modeling file's `apply_rotary_pos_emb` do the maths, so outputs are the model's.
+
+`generate` takes a fixed list. `run` takes a deque of `Request`s that the caller may append to while it iterates
+(a follow-up request made from a result joins the running batch at the next refill), each with its own token cap,
+temperature and sampling key: data.synthesize streams a conversation's turns through one run this way, so the batch
+stays full until the very end instead of draining at the end of every stage.
 """
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +38,18 @@ MAX_AUTO_SLOTS = 1024     # auto_slots' ceiling: past it a step is compute-bound
 CPU_SLOTS = 16            # auto_slots on a CPU
 
 M32 = 0xFFFFFFFF
+ATTENTION = ("sdpa", "matmul")  # the decode step's attention: SDPA with a mask, or two batched matmuls (no kernel
+                                # choice, reads each cached K/V once); bench.generate_bench --attention compares them
+
+
+@dataclass
+class Request:
+    """One generation: `tag` is the caller's, returned with the result; `key` keys the sampling noise."""
+    prompt: list
+    max_new: int
+    temperature: float = 0.0
+    key: int = 0
+    tag: object = None
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -125,7 +143,10 @@ class Engine:
     docstring). `stats` accumulates over generate calls: prompts, generated (tokens, stop tokens included),
     seconds (wall), decode_steps, prefill_tokens."""
 
-    def __init__(self, model, *, max_batch=256, max_len=2048, cuda_graphs=None, seed=0):
+    def __init__(self, model, *, max_batch=256, max_len=2048, cuda_graphs=None, seed=0, attention="sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"engine: attention {attention!r} is not one of {ATTENTION}")
+        self.attention = attention
         cfg = model.config.get_text_config()
         self.decoder = model.get_decoder()
         self.layers = list(self.decoder.layers)
@@ -147,11 +168,11 @@ class Engine:
         z = dict(dtype=torch.long, device=dev)
         self.tokens, self.pos, self.ngen = torch.zeros(S, **z), torch.zeros(S, **z), torch.zeros(S, **z)
         self.max_new, self.khash = torch.zeros(S, **z), torch.zeros(S, **z)
+        self.temp = torch.zeros(S, dtype=torch.float32, device=dev)  # per slot; 0 = greedy
         self.active = torch.zeros(S, dtype=torch.bool, device=dev)
         self.seq = torch.zeros(S, max_len + 1, **z)             # prompt + generated ids; the last column is a sink
         self.slot_ids, self.positions = torch.arange(S, device=dev), torch.arange(max_len, device=dev)
         self.is_stop = torch.zeros(V, dtype=torch.bool, device=dev)
-        self.temperature = torch.ones((), device=dev)
         self.vocab_hash = _mix32(torch.arange(V, device=dev))
         step = -(-max_len // CACHE_BUCKETS // 16) * 16
         self.buckets = sorted({min(max_len, b) for b in range(step, max_len + step, step)})
@@ -181,18 +202,23 @@ class Engine:
         """h [n, H] -> [n, V] float32: lm_head in the model dtype, then float, as HF generate does."""
         return self.lm_head(self.decoder.norm(h)).float()
 
-    def _sample(self, logits, greedy, khash, pos):
-        """-> [n] next ids; pos [n] is the position the new token takes (part of its noise's key)."""
-        if greedy:
-            return logits.argmax(-1)                            # ties -> lowest id, as torch.argmax
-        return gumbel_argmax(logits / self.temperature, _fold(khash, pos), self.vocab_hash)
+    def _sample(self, logits, sampled, khash, pos, temp):
+        """-> [n] next ids; pos [n] is the position the new token takes (part of its noise's key), temp [n] each
+        row's temperature (0: greedy). sampled=False: every row is greedy, the sampler is skipped."""
+        best = logits.argmax(-1)                                # ties -> lowest id, as torch.argmax
+        if not sampled:
+            return best
+        t = torch.where(temp > 0, temp, 1.0)[:, None]
+        return torch.where(temp > 0, gumbel_argmax(logits / t, _fold(khash, pos), self.vocab_hash), best)
 
-    def _prefill(self, slots, prompts, max_new, keys, greedy):
+    def _prefill(self, slots, reqs, sampled):
         """Run right-padded prompts, write their KV into `slots`, sample each one's first token, arm the slots."""
+        prompts = [r.prompt for r in reqs]
         n, P = len(prompts), max(len(p) for p in prompts)
         lens = [len(p) for p in prompts]
         ids = self._h2d([p + [0] * (P - len(p)) for p in prompts])             # [n, P]
-        sl, ln, mx = self._h2d(slots), self._h2d(lens), self._h2d(max_new)
+        sl, ln, mx = self._h2d(slots), self._h2d(lens), self._h2d([r.max_new for r in reqs])
+        temp = torch.tensor([float(r.temperature) for r in reqs]).to(self.temp.device)
         x = self.embed(ids)                                                     # [n, P, H]
         cos, sin = self.cos[None, :P], self.sin[None, :P]
         for layer, (kc, vc) in zip(self.layers, self.cache):
@@ -204,14 +230,24 @@ class Engine:
             x = x + attn.o_proj(o.transpose(1, 2).reshape(n, P, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self._logits(x[torch.arange(n, device=x.device), ln - 1])   # [n, V]
-        kh = key_hash(self.seed, self._h2d(keys))
-        first = self._sample(logits, greedy, kh, ln)
+        kh = key_hash(self.seed, self._h2d([r.key for r in reqs]))
+        first = self._sample(logits, sampled, kh, ln, temp)
         self.tokens[sl], self.pos[sl], self.seq[sl, ln] = first, ln, first
-        self.ngen[sl], self.max_new[sl], self.khash[sl] = 1, mx, kh
+        self.ngen[sl], self.max_new[sl], self.khash[sl], self.temp[sl] = 1, mx, kh, temp
         self.active[sl] = ~(self.is_stop[first] | (mx <= 1))
         self.stats["prefill_tokens"] += sum(lens)
 
-    def _step(self, L, greedy):
+    def _attend(self, attn, q, kc, vc, L, mask):
+        """q [S, kv_heads, group, D] over cache positions [0, L) under mask [S, 1, 1, L] -> [S, kv_heads, group, D].
+        GQA without repeating the cache: a KV head's `group` query heads are its `group` queries."""
+        k, v = kc[:, :, :L], vc[:, :, :L]                                        # strided views, no copy
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * attn.scaling         # [S, kv_heads, group, L]
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+        return torch.matmul(p.to(v.dtype), v)
+
+    def _step(self, L, sampled):
         """One decode step of every slot over cache positions [0, L): static shapes, no host sync (graph-safe).
         Idle and finished slots run too, masked out of every state update."""
         S = self.S
@@ -222,12 +258,10 @@ class Engine:
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)       # q [S, heads, 1, D]
             kc[self.slot_ids, :, self.pos], vc[self.slot_ids, :, self.pos] = k[:, :, 0], v[:, :, 0]
-            # GQA without repeating the cache: a KV head's `group` query heads are its `group` queries
-            q = q.reshape(S, self.n_kv, self.group, self.head_dim)              # [S, kv_heads, group, D]
-            o = F.scaled_dot_product_attention(q, kc[:, :, :L], vc[:, :, :L], attn_mask=mask, scale=attn.scaling)
+            o = self._attend(attn, q.reshape(S, self.n_kv, self.group, self.head_dim), kc, vc, L, mask)
             x = x + attn.o_proj(o.reshape(S, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        nxt = self._sample(self._logits(x[:, 0]), greedy, self.khash, self.pos + 1)
+        nxt = self._sample(self._logits(x[:, 0]), sampled, self.khash, self.pos + 1, self.temp)
         live = self.active
         nxt = torch.where(live, nxt, self.tokens)
         self.seq[self.slot_ids, torch.where(live, self.pos + 1, self.max_len)] = nxt
@@ -237,31 +271,31 @@ class Engine:
         self.pos += live
         self.active &= ~done
 
-    def _capture(self, greedy):
+    def _capture(self, sampled):
         """One CUDA graph per bucket, largest first, sharing one memory pool (graphs never run concurrently and
         keep nothing in the pool between replays). Only while every slot is idle: the warm-up steps then change no
         state (idle slots write KV and ids only where nothing live reads)."""
         for L in reversed(self.buckets):
-            if (L, greedy) in self.graphs:
+            if (L, sampled) in self.graphs:
                 continue
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._step(L, greedy)
+                    self._step(L, sampled)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self._step(L, greedy)
+                self._step(L, sampled)
             self.pool = self.pool or g.pool()
-            self.graphs[L, greedy] = g
+            self.graphs[L, sampled] = g
 
-    def _launch(self, L, greedy, steps):
+    def _launch(self, L, sampled, steps):
         for _ in range(steps):
             if self.cuda_graphs:
-                self.graphs[L, greedy].replay()
+                self.graphs[L, sampled].replay()
             else:
-                self._step(L, greedy)
+                self._step(L, sampled)
         self.stats["decode_steps"] += steps
 
     def _h2d(self, data):
@@ -272,7 +306,6 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids, keys=None):
         """prompts: list[list[int]]; max_new_tokens: int or list[int]; keys: per-prompt int keys (0 <= key < 2**63)
         of the sampling noise (default: the index). Yields (index, generated_ids, "stop" | "length") in completion
@@ -282,70 +315,102 @@ class Engine:
         keys = list(range(n)) if keys is None else list(keys)
         if len(max_new) != n or len(keys) != n:
             raise ValueError(f"{n} prompts but {len(max_new)} max_new_tokens and {len(keys)} keys")
-        for i, (p, m) in enumerate(zip(prompts, max_new)):
-            if not p or m < 1:
-                raise ValueError(f"prompt {i}: {len(p)} tokens and max_new_tokens {m}; both must be >= 1")
-            self.check_prompt(len(p), m)
-        if temperature < 0:
-            raise ValueError(f"temperature {temperature} < 0")
-        greedy = temperature == 0
+        reqs = [Request(p, m, temperature, k, i) for i, (p, m, k) in enumerate(zip(prompts, max_new, keys))]
+        for r in reqs:
+            self.check_request(r)
+        # longest first: the longest contexts are placed while every slot is free, the short ones fill the drain
+        pending = deque(sorted(reqs, key=lambda r: -len(r.prompt)))
+        for r, ids, why in self.run(pending, stop_ids=stop_ids, sampled=temperature > 0):
+            yield r.tag, ids, why
+
+    def check_request(self, r: Request) -> None:
+        if not r.prompt or r.max_new < 1:
+            raise ValueError(f"request {r.tag}: {len(r.prompt)} prompt tokens and max_new_tokens {r.max_new}; both "
+                             f"must be >= 1")
+        if r.temperature < 0:
+            raise ValueError(f"request {r.tag}: temperature {r.temperature} < 0")
+        self.check_prompt(len(r.prompt), r.max_new)
+
+    @torch.inference_mode()
+    def run(self, pending: deque, *, stop_ids, sampled=None):
+        """pending: a deque of Requests, taken from the left; the caller may append to it while iterating. Yields
+        (request, generated_ids, "stop" | "length") in completion order and ends once pending is empty and no slot
+        is live after the caller has seen every result. sampled: whether any request samples (temperature > 0);
+        None: whether any in `pending` now does. The step's graphs are captured for it, so a later request with a
+        temperature > 0 in a run started with sampled=False is refused."""
         stops = set(stop_ids)
         if any(not 0 <= t < len(self.is_stop) for t in stops):
             raise ValueError(f"stop_ids {sorted(stops)} are not all ids of the {len(self.is_stop)}-token vocabulary")
+        if sampled is None:
+            sampled = any(r.temperature > 0 for r in pending)
         self.is_stop.zero_()
         if stops:
             self.is_stop[self._h2d(sorted(stops))] = True
-        self.temperature.fill_(temperature or 1.0)
-        self.active.zero_()                      # slots a previous, abandoned generate left live are free again
+        self.active.zero_()                      # slots a previous, abandoned run left live are free again
         if self.cuda_graphs:
-            self._capture(greedy)
-        t0, queue, finished = time.perf_counter(), deque(sorted(range(n), key=lambda i: -len(prompts[i]))), []
-        owner = [-1] * self.S                    # request index per slot
+            self._capture(sampled)
+        t0, finished = time.perf_counter(), []
+        owner = [None] * self.S                  # the request per slot
         reach = [0] * self.S                     # an upper bound on the slot's position after the steps launched
         refill = max(1, int(self.S * REFILL_FRACTION))
-        while queue or any(o >= 0 for o in owner):
-            free = [s for s in range(self.S) if owner[s] < 0]
-            if queue and len(free) >= min(len(queue), refill):
-                self._admit(free, queue, prompts, max_new, keys, greedy, owner, reach)
-            need = max(min(reach[s] + SYNC_EVERY, len(prompts[o]) + max_new[o]) for s, o in enumerate(owner) if o >= 0)
-            self._launch(next(b for b in self.buckets if b >= need), greedy, SYNC_EVERY)
-            reach = [r + SYNC_EVERY for r in reach]
-            yield from finished                  # the consumer works while the GPU runs the steps just launched
-            live, ngen = torch.stack([self.active.long(), self.ngen]).cpu().tolist()
-            done = [s for s in range(self.S) if owner[s] >= 0 and not live[s]]
-            finished = self._collect(done, owner, ngen, prompts, stops)
-        yield from finished
-        self.stats["seconds"] += time.perf_counter() - t0
+        try:
+            while True:
+                free = [s for s in range(self.S) if owner[s] is None]
+                # admit once enough slots are free to pay for a prefill, or when the batch is nearly empty anyway
+                if pending and (len(free) >= refill or self.S - len(free) < refill):
+                    self._admit(free, pending, sampled, owner, reach)
+                live_any = any(o is not None for o in owner)
+                if live_any:
+                    need = max(min(reach[s] + SYNC_EVERY, len(o.prompt) + o.max_new)
+                               for s, o in enumerate(owner) if o is not None)
+                    self._launch(next(b for b in self.buckets if b >= need), sampled, SYNC_EVERY)
+                    reach = [r + SYNC_EVERY for r in reach]
+                yield from finished              # the consumer works (and may append) while the GPU runs the steps
+                finished = []
+                if live_any:
+                    live, ngen = torch.stack([self.active.long(), self.ngen]).cpu().tolist()
+                    done = [s for s in range(self.S) if owner[s] is not None and not live[s]]
+                    finished = self._collect(done, owner, ngen, stops)
+                elif not pending:
+                    break
+        finally:
+            self.stats["seconds"] += time.perf_counter() - t0
 
-    def _admit(self, free, queue, prompts, max_new, keys, greedy, owner, reach):
-        """Prefill the next requests (longest first) into free slots, in forwards of at most PREFILL_TOKENS."""
-        take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+    def _admit(self, free, pending, sampled, owner, reach):
+        """Prefill the next requests into free slots, longest first, in forwards of at most PREFILL_TOKENS."""
+        take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+        for r in take:
+            if r.temperature > 0 and not sampled:
+                raise ValueError(f"request {r.tag} samples (temperature {r.temperature}) in a run started greedy: "
+                                 f"start the run with sampled=True")
+            self.check_request(r)
+        take.sort(key=lambda r: -len(r.prompt))
         start = 0
         while start < len(take):
-            width = len(prompts[take[start]])   # the longest of this chunk, since the queue is longest first
+            width = len(take[start].prompt)     # the longest of this chunk
             end = min(len(take), start + max(1, PREFILL_TOKENS // width))
             chunk, slots = take[start:end], free[start:end]
-            self._prefill(slots, [prompts[i] for i in chunk], [max_new[i] for i in chunk], [keys[i] for i in chunk],
-                          greedy)
-            for s, i in zip(slots, chunk):
-                owner[s], reach[s] = i, len(prompts[i])
+            self._prefill(slots, chunk, sampled)
+            for s, r in zip(slots, chunk):
+                owner[s], reach[s] = r, len(r.prompt)
             start = end
 
-    def _collect(self, done, owner, ngen, prompts, stops):
-        """Read finished slots' ids back, free the slots -> [(index, ids, reason)]."""
+    def _collect(self, done, owner, ngen, stops):
+        """Read finished slots' ids back, free the slots -> [(request, ids, reason)]."""
         if not done:
             return []
-        width = max(len(prompts[owner[s]]) + ngen[s] for s in done)
+        width = max(len(owner[s].prompt) + ngen[s] for s in done)
         rows = self.seq[torch.tensor(done, device=self.seq.device), :width].cpu().tolist()
         out = []
         for s, row in zip(done, rows):
-            i, P = owner[s], len(prompts[owner[s]])
+            r = owner[s]
+            P = len(r.prompt)
             ids = row[P:P + ngen[s]]
             stopped = ids[-1] in stops
-            out.append((i, ids[:-1] if stopped else ids, "stop" if stopped else "length"))
+            out.append((r, ids[:-1] if stopped else ids, "stop" if stopped else "length"))
             self.stats["prompts"] += 1
             self.stats["generated"] += ngen[s]
-            owner[s] = -1
+            owner[s] = None
         return out
 
 

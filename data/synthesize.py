@@ -24,9 +24,13 @@ Rejected candidates go to OUT.rejected.jsonl with their reason; counts by reason
 Seeded and resumable: a candidate's sampling keys depend only on (--seed, stream, index, turn), and a candidate is
 judged only against those before it, so rows are the same however a run is cut into pieces. A run stopped part-way
 and restarted (with the same or a larger --num) reads back OUT and OUT.rejected.jsonl, rebuilds the filter state
-from them in index order, and goes on from the next index of each stream. Candidates are generated in chunks of
-CHUNK_PER_SLOT * --batch-size and written (flushed, fsynced) at the end of each chunk in index order; a stop loses
-at most the chunk in flight. A torn last line (it does not parse) is dropped; a complete last line that only lacks
+from them in index order, and goes on from the next index of each stream.
+
+Candidates stream through one engine run (data.engine.Engine.run): a conversation's next turn joins the running batch
+as soon as its previous one is done, so the batch stays full to the end instead of draining at every stage. At most
+WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is written (flushed, fsynced) once every lower index
+of its stream is, so a stop loses at most the candidates in flight. A self-written opener is judged for duplicates
+only once every lower index's opener was, so the verdicts are those of one pass in index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks
 its newline is kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
 mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
 --batch-size, --device and --dtype may change (a bf16 run samples slightly different rows than an fp32 one).
@@ -45,13 +49,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from collections import deque
+
 from data import filters as F
 from data.chat import end_of_turn, render, template_hash
+from data.engine import Request
 from data.regenerate import read_prompts, row_id
 
 ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
-CHUNK_PER_SLOT = 8       # candidates per chunk = this * --batch-size: the engine's batch stays full while the last
-                         # rows of a stage finish, and a stop loses at most one chunk
+WINDOW_PER_SLOT = 3      # candidates in flight = this * --batch-size: enough queued requests for every refill, and
+                         # a stop loses at most these
 TURN_OVERHEAD = 16       # tokens a template adds around one turn (role header, end-of-turn): headroom in max_len
 SENTINEL = "Zq7 user sentinel"  # content of the probe user turn whose opening the model continues
 STREAMS = ("self", "mix")
@@ -184,20 +191,23 @@ class Item:
     steps: list
     turn: int = 0                 # generations done: the key of the next one
     reason: str | None = None     # set when rejected
-    fresh_user: bool = False      # a user turn was added this round: check it
 
     def key(self) -> int:
         return sample_key(self.stream, self.index, self.turn)
 
 
 class Synth:
-    """Candidates -> engine requests, stage by stage, with the filters between the stages."""
+    """Candidates -> engine requests, one turn at a time, with the filters between the turns."""
 
     def __init__(self, engine, tok, stops, filters, args, mix_prompts):
         self.engine, self.tok, self.stops, self.filters, self.args = engine, tok, stops, filters, args
         self.mix_prompts = mix_prompts  # [(prompt id, [user texts])], in the seeded shuffled order
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.tokens, self.t0, self.last_post = 0, time.time(), 0.0
+        self.pending = deque()          # the engine's queue: requests whose tag is their Item
+        self.waiting = {}               # self items whose opener is written, by index, until their turn to be judged
+        self.judge_next = 0             # the self index whose opener is judged next
+        self.finished = []              # items done (kept or rejected) since the driver last looked
 
     def new_item(self, stream: str, index: int) -> Item:
         row = {"id": f"{stream}/{index}", "source": "self" if stream == "self" else f"mix:{self.args.mix}",
@@ -209,67 +219,61 @@ class Synth:
         row["prompt_id"] = pid
         return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (("ask", u), "answer")])
 
-    def _generate(self, items, prompts, max_new, temperature, bar):
-        """-> per item (text, finish_reason); the engine works through them in its own order."""
-        out = [None] * len(items)
-        for i, ids, why in self.engine.generate(prompts, max_new_tokens=max_new, temperature=temperature,
-                                                stop_ids=self.stops, keys=[it.key() for it in items]):
-            out[i] = (self.tok.decode(ids, skip_special_tokens=True).strip(), why)
-            self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
-            if time.time() - self.last_post > 2.0:
-                self.last_post = time.time()
-                bar.set_postfix_str(f"{self.tokens / (time.time() - self.t0):,.0f} gen tok/s", refresh=False)
-        assert None not in out, f"the engine answered {len(out) - out.count(None)} of {len(out)} requests"
-        for it in items:
-            it.turn += 1
-        return out
-
-    def run_chunk(self, items: list[Item], bar):
-        """Generate every item to its end or its rejection: each leaves with its `row`, and `reason` if rejected."""
+    def advance(self, it: Item, front=True):
+        """Given user turns join (and are judged); then the item's next generation is queued, or it is finished."""
+        while not it.reason and it.steps and isinstance(it.steps[0], tuple):
+            it.row["messages"].append({"role": "user", "content": it.steps.pop(0)[1]})
+            it.reason = self.judge(it)
+        if it.reason or not it.steps:
+            self.finished.append(it)
+            return
         a = self.args
-        live = items
-        while live:
-            for it in live:  # given user turns (mix rows) join the conversation without generation
-                if isinstance(it.steps[0], tuple):
-                    it.row["messages"].append({"role": "user", "content": it.steps.pop(0)[1]})
-                    it.fresh_user = True
-            writers = [it for it in live if it.steps[0] == "write"]
-            if writers:
-                prompts = [encode(self.tok, user_opening(self.tok, it.row["messages"])) for it in writers]
-                for it, (text, why) in zip(writers, self._generate(writers, prompts, a.prompt_tokens,
-                                                                   a.prompt_temperature, bar)):
-                    it.row["messages"].append({"role": "user", "content": text})
-                    it.row["user_finish_reasons"].append(why)
-                    it.steps.pop(0)
-                    it.fresh_user = True
-            self.check(live)  # before the answers are paid for
-            live = [it for it in live if not it.reason]
-            answerers = [it for it in live if it.steps and it.steps[0] == "answer"]
-            if answerers:
-                prompts = [encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True))
-                           for it in answerers]
-                for it, (text, why) in zip(answerers, self._generate(answerers, prompts, a.max_new_tokens,
-                                                                     a.temperature, bar)):
-                    it.row["messages"].append({"role": "assistant", "content": text})
-                    it.row["finish_reasons"].append(why)
-                    it.steps.pop(0)
-                for it in answerers:
-                    it.reason = self.filters.rest_reason(it.row)
-            live = [it for it in live if not it.reason and it.steps]
+        if it.steps[0] == "write":
+            req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"])), a.prompt_tokens,
+                          a.prompt_temperature, it.key(), it)
+        else:
+            req = Request(encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True)),
+                          a.max_new_tokens, a.temperature, it.key(), it)
+        # started conversations go first: they finish sooner and free the reorder buffers
+        self.pending.appendleft(req) if front else self.pending.append(req)
 
-    def check(self, items):
-        """The checks of the user turns just added, in index order: an opener is admitted to the duplicate index
-        before the next candidate's opener is judged, whatever the chunking."""
-        for it in sorted(items, key=lambda it: (it.stream, it.index)):
-            if not it.fresh_user:
-                continue
-            it.fresh_user = False
-            if len(F.user_turns(it.row)) == 1:
-                it.reason = self.filters.opener_reason(it.row, dedup=it.stream == "self")
-                if not it.reason and it.stream == "self":
-                    self.filters.admit(it.row)
-            else:
-                it.reason = self.filters.rest_reason(it.row)
+    def judge(self, it: Item):
+        """-> the rejection reason of the user turn just added (not the self stream's first: see took())."""
+        if len(F.user_turns(it.row)) == 1:
+            return self.filters.opener_reason(it.row, dedup=False)  # mix rows: the shipped sets repeat on purpose
+        return self.filters.rest_reason(it.row)
+
+    def took(self, it: Item, ids, why):
+        """One generation of `it` is back: add it to the row, judge it, queue what comes next."""
+        text = self.tok.decode(ids, skip_special_tokens=True).strip()
+        self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
+        it.turn += 1
+        if it.steps.pop(0) == "answer":
+            it.row["messages"].append({"role": "assistant", "content": text})
+            it.row["finish_reasons"].append(why)
+            it.reason = self.filters.rest_reason(it.row)
+            self.advance(it)
+            return
+        it.row["messages"].append({"role": "user", "content": text})
+        it.row["user_finish_reasons"].append(why)
+        if len(F.user_turns(it.row)) > 1:
+            it.reason = self.filters.rest_reason(it.row)
+            self.advance(it)
+            return
+        # a first self-written opener: judged against every lower index's, in index order, whatever the timing
+        self.waiting[it.index] = it
+        while self.judge_next in self.waiting:
+            nxt = self.waiting.pop(self.judge_next)
+            self.judge_next += 1
+            nxt.reason = self.filters.opener_reason(nxt.row)
+            if not nxt.reason:
+                self.filters.admit(nxt.row)
+            self.advance(nxt)
+
+    def post(self, bar):
+        if time.time() - self.last_post > 2.0:
+            self.last_post = time.time()
+            bar.set_postfix_str(f"{self.tokens / (time.time() - self.t0):,.0f} gen tok/s", refresh=False)
 
 
 # --- the run --------------------------------------------------------------------------------------------------------
@@ -414,7 +418,7 @@ def main(argv=None) -> dict:
                + args.turns * (max(args.prompt_tokens, longest_mix) + args.max_new_tokens + 2 * TURN_OVERHEAD))
     print(f"synthesize: {kept0:,} rows already in {args.out} (self {stats['self']['kept']:,}, mix "
           f"{stats['mix']['kept']:,}), want {args.num:,} (self {want['self']:,}, mix {want['mix']:,}); "
-          f"max_len {max_len:,} tokens; chunks of {CHUNK_PER_SLOT * args.batch_size:,} candidates")
+          f"max_len {max_len:,} tokens; up to {WINDOW_PER_SLOT * args.batch_size:,} candidates in flight")
 
     runs = old.get("runs", [])
 
@@ -468,35 +472,63 @@ def summarize(config, stats, nxt, runs) -> dict:
 
 
 def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
-    """Chunk after chunk until each stream has its rows or its attempts; -> rows written."""
-    written = 0
-    chunk = CHUNK_PER_SLOT * args.batch_size
-    while True:
-        sizes = {}
+    """One engine run, topped up with new candidates as rows come back, until each stream has its rows or its
+    attempts; rows are written in index order per stream. -> rows written."""
+    written, issued, last_record = 0, dict(nxt), time.time()
+    done = {s: {} for s in STREAMS}  # finished items by index, until every lower index is written
+    synth.judge_next = nxt["self"]
+    window = WINDOW_PER_SLOT * args.batch_size
+
+    def wanted(s):
+        """Candidates stream s should have in flight: what its rows still missing need at its keep rate so far."""
+        need = want[s] - stats[s]["kept"]
+        if need <= 0:
+            return 0
+        tried = stats[s]["kept"] + sum(stats[s]["rejected"].values())
+        rate = (stats[s]["kept"] + 1) / (tried + 2)  # kept per candidate so far (Laplace's rule: 1/2 before any)
+        cap = math.ceil(args.attempts_per_row * want[s])
+        return min(math.ceil(need / rate * 1.1), cap - nxt[s])
+
+    def top_up():
+        while sum(issued[s] - nxt[s] for s in STREAMS) < window:
+            short = [s for s in STREAMS if issued[s] - nxt[s] < wanted(s)]
+            if not short:
+                return
+            s = min(short, key=lambda s: (issued[s] - nxt[s]) / wanted(s))  # the stream furthest behind its share
+            synth.advance(synth.new_item(s, issued[s]), front=False)
+            issued[s] += 1
+
+    def write_finished():
+        nonlocal written
+        for it in synth.finished:
+            done[it.stream][it.index] = it
+        synth.finished.clear()
         for s in STREAMS:
-            need = want[s] - stats[s]["kept"]
-            cap = math.ceil(args.attempts_per_row * want[s]) - nxt[s]
-            tried = stats[s]["kept"] + sum(stats[s]["rejected"].values())
-            rate = (stats[s]["kept"] + 1) / (tried + 2)  # kept per candidate so far (Laplace's rule: 1/2 before any)
-            sizes[s] = max(0, min(cap, math.ceil(need / rate * 1.1))) if need > 0 else 0
-        total = sum(sizes.values())
-        if not total:
-            return written
-        if total > chunk:  # share the chunk in proportion, at least one candidate for a stream that needs any
-            sizes = {s: max(1 if n else 0, n * chunk // total) for s, n in sizes.items()}
-        items = [synth.new_item(s, nxt[s] + k) for s in STREAMS for k in range(sizes[s])]
-        synth.run_chunk(items, bar)
-        for it in sorted(items, key=lambda it: (it.stream, it.index)):
-            s = it.stream
+            while nxt[s] in done[s] and stats[s]["kept"] < want[s]:
+                it = done[s].pop(nxt[s])
+                sink.write(it.row, it.reason)
+                F.count(stats[s], it.row, it.reason)
+                nxt[s] += 1
+                if not it.reason:
+                    written += 1
+                    bar.update(1)
             if stats[s]["kept"] >= want[s]:
-                continue  # past the stream's last row: not written, so a larger --num regenerates it the same
-            sink.write(it.row, it.reason)
-            F.count(stats[s], it.row, it.reason)
-            nxt[s] = it.index + 1
-            if not it.reason:
-                written += 1
-                bar.update(1)
-        record()
+                done[s].clear()  # past the stream's last row: not written, so a larger --num regenerates it the same
+
+    top_up()
+    write_finished()  # mix candidates can be rejected before any generation
+    sampled = args.temperature > 0 or args.prompt_temperature > 0
+    for req, ids, why in synth.engine.run(synth.pending, stop_ids=synth.stops, sampled=sampled):
+        synth.took(req.tag, ids, why)
+        write_finished()
+        top_up()
+        write_finished()
+        synth.post(bar)
+        if time.time() - last_record > 10.0:
+            record()
+            last_record = time.time()
+    record()
+    return written
 
 
 if __name__ == "__main__":

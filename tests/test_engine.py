@@ -8,7 +8,9 @@ import torch
 
 from conftest import SMOLLM2_DIR
 from data import regenerate as regen
-from data.engine import Engine, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
+from collections import deque
+
+from data.engine import Engine, Request, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
 
 
 
@@ -32,8 +34,8 @@ def hf_greedy(model, prompt, max_new, stop_ids):
     return (out, "length") if cut is None else (out[:cut], "stop")
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
-def test_greedy_matches_hf_generate(family):
+@pytest.mark.parametrize("family,attention", [("Llama", "sdpa"), ("Qwen3", "sdpa"), ("Qwen3", "matmul")])
+def test_greedy_matches_hf_generate(family, attention):
     model = tiny_model(family)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (1, 37, 5, 12, 60, 3, 23, 8)]
@@ -41,7 +43,7 @@ def test_greedy_matches_hf_generate(family):
     stop = hf_greedy(model, prompts[0], 20, [])[0][4]   # prompt 0's 5th token: a stop that some rows hit mid-way
     ref = [hf_greedy(model, p, m, [stop]) for p, m in zip(prompts, max_new)]
     assert {why for _, why in ref} == {"stop", "length"} and any(why == "stop" and ids for ids, why in ref)
-    engine = Engine(model, max_batch=3, max_len=96)     # 3 slots for 8 prompts: slots are refilled
+    engine = Engine(model, max_batch=3, max_len=96, attention=attention)  # 3 slots for 8 prompts: slots refilled
     got = {i: (ids, why) for i, ids, why in engine.generate(prompts, max_new_tokens=max_new, stop_ids=[stop])}
     assert [got[i] for i in range(len(prompts))] == ref
     assert engine.stats["prompts"] == 8 and engine.stats["generated"] == sum(
@@ -81,6 +83,37 @@ def test_sampling_depends_only_on_seed_and_key():
     greedy = {i: ids for i, ids, _ in Engine(model, max_batch=2, max_len=64).generate(
         [prompts[i] for i in range(3)], max_new_tokens=16, stop_ids=[])}
     assert [greedy[i] for i in range(3)] != [alone[i] for i in range(3)]   # it does sample
+
+
+def test_run_streams_follow_ups_and_mixes_temperatures():
+    """One run fed as it goes: each result's follow-up (its prompt + answer + a new token, sampled or greedy by
+    turns) joins the running batch; every output equals what a separate generate call with the same temperature,
+    key and cap gives, so per-request temperatures and streaming change nothing a request sees."""
+    model = tiny_model("Qwen3")
+    g = torch.Generator().manual_seed(3)
+    firsts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 19, 7, 26, 1, 12, 5)]
+    temp = lambda turn: 0.8 if turn % 2 else 0.0  # noqa: E731
+
+    def alone(prompt, turn, key):
+        out = Engine(model, max_batch=1, max_len=128).generate([prompt], max_new_tokens=6 + turn,
+                                                                temperature=temp(turn), stop_ids=[], keys=[key])
+        return next(out)[1]
+
+    engine = Engine(model, max_batch=3, max_len=128)
+    pending = deque(Request(p, 6, temp(0), 10 * i, (i, 0, p)) for i, p in enumerate(firsts))
+    got = {}
+    for r, ids, why in engine.run(pending, stop_ids=[], sampled=True):
+        i, turn, prompt = r.tag
+        got[i, turn] = (prompt, ids)
+        if turn < 2:                     # the follow-up: this context + its answer + one more token
+            nxt = prompt + ids + [turn + 1]
+            pending.append(Request(nxt, 6 + turn + 1, temp(turn + 1), 10 * i + turn + 1, (i, turn + 1, nxt)))
+    assert sorted(got) == [(i, t) for i in range(len(firsts)) for t in range(3)]
+    for (i, turn), (prompt, ids) in got.items():
+        assert ids == alone(prompt, turn, 10 * i + turn), (i, turn)
+    assert engine.stats["prompts"] == 3 * len(firsts)
+    with pytest.raises(ValueError, match="start the run with sampled=True"):
+        list(engine.run(deque([Request([1, 2], 3, 0.0), Request([3], 3, 0.5)]), stop_ids=[], sampled=False))
 
 
 @pytest.mark.parametrize("vary", ["key", "position"])

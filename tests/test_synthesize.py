@@ -146,25 +146,29 @@ class ScriptedEngine:
     def __init__(self, tok, seed, stop_after=True):
         self.tok, self.seed, self.stop_after, self.prompts = tok, seed, stop_after, []
 
-    def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids, keys=None):
-        assert keys is not None and len(keys) == len(prompts) and stop_ids
-        self.prompts += prompts
-        order = list(range(len(prompts)))
-        random.Random(len(self.prompts)).shuffle(order)  # completion order is the engine's business
-        for i in order:
-            rng = random.Random(hashlib.sha256(f"{self.seed}/{keys[i]}".encode()).digest())
-            kind = rng.random()
-            if kind < 0.2:
-                text = rng.choice(BANK)
-            elif kind < 0.3:
-                text = rng.choice(BANK).replace("please", "now")  # a near duplicate
-            elif kind < 0.35:
-                text = "again and again " * 20
-            else:
-                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + "?"
-            ids = self.tok.encode(text, add_special_tokens=False)
-            ends = self.stop_after and rng.random() < 0.85
-            yield (i, ids, "stop") if ends and len(ids) <= max_new_tokens else (i, ids[:max_new_tokens], "length")
+    def run(self, pending, *, stop_ids, sampled=None):
+        assert stop_ids
+        while pending:
+            batch = [pending.popleft() for _ in range(min(len(pending), 3))]
+            random.Random(len(self.prompts)).shuffle(batch)  # completion order is the engine's business
+            for r in batch:
+                self.prompts.append(r.prompt)
+                yield r, *self.draw(r.key, r.max_new)        # the consumer appends follow-ups meanwhile
+
+    def draw(self, key, max_new_tokens):
+        rng = random.Random(hashlib.sha256(f"{self.seed}/{key}".encode()).digest())
+        kind = rng.random()
+        if kind < 0.2:
+            text = rng.choice(BANK)
+        elif kind < 0.3:
+            text = rng.choice(BANK).replace("please", "now")  # a near duplicate
+        elif kind < 0.35:
+            text = "again and again " * 20
+        else:
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + "?"
+        ids = self.tok.encode(text, add_special_tokens=False)
+        ends = self.stop_after and rng.random() < 0.85
+        return (ids, "stop") if ends and len(ids) <= max_new_tokens else (ids[:max_new_tokens], "length")
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +239,19 @@ def test_resume_equals_one_run(tmp_path, qwen3_dir, scripted):
     assert len(set(texts)) == len(texts) == 36
     assert all(r["finish_reasons"] and r["messages"][-1]["role"] == "assistant" for r in rows)
     assert synth(qwen3_dir, b, 40, *mix)["runs"] == one["runs"]  # complete: nothing to do, nothing written
+
+
+def test_rows_do_not_depend_on_the_window(tmp_path, qwen3_dir, scripted):
+    """--batch-size sets how many candidates are in flight (and so the completion order): the rows and rejections
+    written are the same for 1 and 7 slots."""
+    files = []
+    for slots in (1, 7):
+        out = tmp_path / f"w{slots}.jsonl"
+        syn.main(["--model", str(qwen3_dir), "--num", "25", "--out", str(out), "--prompt-tokens", "24",
+                  "--max-new-tokens", "16", "--batch-size", str(slots), "--mix", "data/default/train_prompts.jsonl",
+                  "--mix-ratio", "0.2"])
+        files.append((by_id(out), by_id(syn.rejected_path(out))))
+    assert files[0] == files[1] and len(files[0][0]) == 25 and files[0][1]
 
 
 def test_decisions_are_those_of_the_filters_command(tmp_path, qwen3_dir, scripted):
