@@ -2,7 +2,8 @@
 
     python -m data.synthesize --model PATH --num N --out FILE.jsonl [--seed S] [--turns 1|2] [--system TEXT]
         [--mix data/default/train_prompts.jsonl --mix-ratio 0.02] [--max-new-tokens 384] [--prompt-tokens 128]
-        [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--device auto] [--dtype auto]
+        [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--attention sdpa|matmul]
+        [--device auto] [--dtype auto]
 
 An instruction-tuned model given only its template's opening of a user turn (`<|im_start|>user\\n` after the default
 system turn; found by rendering a sentinel user message and taking the text before it) writes a plausible user
@@ -33,7 +34,8 @@ of its stream is, so a stop loses at most the candidates in flight. A self-writt
 only once every lower index's opener was, so the verdicts are those of one pass in index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks
 its newline is kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
 mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
---batch-size, --device and --dtype may change (a bf16 run samples slightly different rows than an fp32 one).
+--batch-size, --attention, --device and --dtype may change (a bf16 run samples slightly different rows than an fp32
+one).
 
 A stream that has tried ATTEMPTS_PER_ROW (--attempts-per-row) candidates per row it must supply stops there, short,
 with the reasons printed: more attempts would not help a model whose prompts the filters keep rejecting.
@@ -143,20 +145,32 @@ def stream_of(row: dict) -> tuple[str, int]:
 
 
 class Sink:
-    """Appends kept and rejected rows; flush + fsync per write so a stop loses nothing written."""
+    """Appends kept and rejected rows. Each write is flushed (a killed process loses nothing written); fsync runs
+    at most every FSYNC_S seconds and at the end (a machine crash loses at most that), since an fsync per row stalls
+    the loop that keeps the engine fed."""
+    FSYNC_S = 1.0
 
     def __init__(self, out: Path):
         out.parent.mkdir(parents=True, exist_ok=True)
         self.kept = open(out, "a", encoding="utf-8")
         self.rejected = open(rejected_path(out), "a", encoding="utf-8")
+        self.synced = time.time()
 
     def write(self, row: dict, reason):
         f = self.rejected if reason else self.kept
         f.write(json.dumps({**row, "rejected": reason} if reason else row, ensure_ascii=False) + "\n")
         f.flush()
-        os.fsync(f.fileno())
+        if time.time() - self.synced > self.FSYNC_S:
+            self.sync()
+
+    def sync(self):
+        for f in (self.kept, self.rejected):
+            f.flush()
+            os.fsync(f.fileno())
+        self.synced = time.time()
 
     def close(self):
+        self.sync()
         self.kept.close()
         self.rejected.close()
 
@@ -283,7 +297,8 @@ def load_engine(args, max_len):
     from data.engine import Engine, load_model
     model, _ = load_model(args.model, device=args.device, dtype=args.dtype)  # the tokenizer is load_tokenizer's
     try:
-        return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed), model
+        return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed,
+                      attention=args.attention), model
     except ValueError as e:  # a model the engine does not run
         raise SystemExit(f"synthesize: {e}")
 
@@ -363,6 +378,8 @@ def parse_args(argv):
     ap.add_argument("--temperature", type=float, default=0.0, help="answers (0 = greedy)")
     ap.add_argument("--prompt-temperature", type=float, default=1.0, help="self-written user turns")
     ap.add_argument("--batch-size", type=int, default=256, help="engine slots (sequences decoded together)")
+    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "matmul"],
+                    help="the engine's decode attention (bench.generate_bench --attention sdpa,matmul compares them)")
     ap.add_argument("--heldout", type=Path, action="append", default=[],
                     help=f"more evaluation prompts to keep out (always: {F.HELDOUT_DEFAULT.name})")
     ap.add_argument("--attempts-per-row", type=float, default=ATTEMPTS_PER_ROW,
