@@ -36,8 +36,9 @@ else
     EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16
 fi
 GEN=$WORK/gen/smollm2.jsonl
-# name:data-size:extra flags (the curve at one recipe, then the D-PACE lever at the largest size)
-RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: dpace:all:--LOSS_WEIGHTING=dpace"}
+# name:data-size:extra flags (the curve at one recipe; then at the largest size the D-PACE lever and the two FP8
+# switches, whose tau cost is measured at equal data and steps)
+RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: dpace:all:--LOSS_WEIGHTING=dpace tfp8:all:--TARGET_FP8=1 dfp8:all:--DRAFTER_FP8=1"}
 [ "$SMOKE" = 1 ] && RUNS=${SMOKE_RUNS:-"c8:8: call:all: dpace:all:--LOSS_WEIGHTING=dpace"}
 T0=$(date +%s)
 say() { echo "[quality $(( $(date +%s) - T0 ))s] $*"; }
@@ -66,7 +67,8 @@ part_gen() {
     mkdir -p "$(dirname "$GEN")"
     timeout -s TERM "${GEN_SECONDS:-100000}" $PY -m data.synthesize --model "$SMOL" --num "$NUM" --out "$GEN" --seed 0 \
         --mix data/default/train_prompts.jsonl --mix-ratio 0.02 --max-new-tokens "$NEW" --prompt-tokens "$PTOK" \
-        --temperature 0.6 --prompt-temperature 1.0 --batch-size "$SLOTS" --device "$DEV" --dtype "$DT" \
+        --temperature 0.6 --prompt-temperature 1.0 --batch-size "$SLOTS" --attention "${ATTN:-sdpa}" \
+        --device "$DEV" --dtype "$DT" \
         2>&1 | tr '\r' '\n' | grep -v "^synthesize: *[0-9]*%|" | tail -40 || say "synthesize stopped (rc $?): rerun PART=gen to go on"
     say "rows in $GEN: $(wc -l < "$GEN")"
     cp "$GEN.stats.json" "$OUT/gen_stats.json" 2>/dev/null || true
@@ -93,7 +95,7 @@ part_train() {
         timeout -s TERM "${TRAIN_SECONDS:-100000}" $PY train_dflash.py --TARGET="$SMOL" --DATA="$data" \
             --OUT_DIR="$WORK/runs/$name" --DEVICE="$DEV" --TOKEN_BUDGET="$BUDGET" --MAX_BATCH_SIZE=64 \
             --MAX_ANCHORS="$ANCHORS" --BLOCK_SIZE=16 --GAMMA=7 --NUM_DRAFT_LAYERS="$LAYERS" --MAX_STEPS="$STEPS" \
-            --LR=6e-4 --SAVE_EVERY=$(( STEPS / 3 > 0 ? STEPS / 3 : 1 )) --KEEP_LAST=5 --LOG_EVERY=50 $extra \
+            --LR=6e-4 --SAVE_EVERY=${SAVE_EVERY:-$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))} --KEEP_LAST=5 --LOG_EVERY=50 $extra \
             >> "$WORK/runs/$name/train.log" 2>&1 &
         pids+=($!)
     done
@@ -106,12 +108,24 @@ part_train() {
 }
 
 last_drafter() { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null | sort | tail -1; }
+steps_of() { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null | sed 's|.*/step_0*\([0-9][0-9]*\)/drafter|\1|'; }
+
+# EQUAL_STEPS=1: the largest checkpoint step that every run has (runs sharing one GPU for one wall time reach
+# different steps; the curve and the levers compare at equal steps)
+common_step() {
+    local name size extra
+    for run in $RUNS; do IFS=: read -r name size extra <<< "$run"; steps_of "$name" | sort -u; done | \
+        sort -n | uniq -c | awk -v n="$(wc -w <<< "$RUNS")" '$1 == n {s = $2} END {print s}'
+}
 
 part_eval() {
-    local drafters=() name size extra
+    local drafters=() name size extra step=""
+    [ "${EQUAL_STEPS:-0}" = 1 ] && step=$(common_step) && say "equal steps: evaluating every run at step ${step:-none}"
     for run in $RUNS; do
         IFS=: read -r name size extra <<< "$run"
-        d=$(last_drafter "$name"); [ -n "$d" ] && drafters+=("$d")
+        if [ -n "$step" ]; then d=$(printf "%s/checkpoints/step_%06d/drafter" "$WORK/runs/$name" "$step")
+        else d=$(last_drafter "$name"); fi
+        [ -d "$d" ] && drafters+=("$d")
     done
     local lim=(); [ "$EVAL_LIMIT" != 0 ] && lim=(--limit "$EVAL_LIMIT")
     tar czf "$OUT/runs_logs.tgz" -C "$WORK" $(cd "$WORK" && ls -d runs/*/train.log runs/*/metrics.jsonl runs/*/run.json 2>/dev/null) 2>/dev/null || true
@@ -122,8 +136,9 @@ part_eval() {
     best=$($PY -c "import json,sys; r=json.load(open('$OUT/eval_walk.json')); r=r.get('drafters',[r]); print(max(r,key=lambda x:x['tau'])['drafter'])")
     say "best by walk tau: $best"
     [ "${DECODE:-1}" = 1 ] || return 0
+    local method=(); $PY eval_dflash.py --help | grep -q "fast" && method=(--method fast)
     for dt in float32 bfloat16; do
-        $PY eval_dflash.py --target "$SMOL" --drafter "$best" --prompts data/default/eval_prompts.jsonl \
+        $PY eval_dflash.py "${method[@]}" --target "$SMOL" --drafter "$best" --prompts data/default/eval_prompts.jsonl \
             --limit "${DECODE_LIMIT:-24}" --max-new-tokens "$EVAL_NEW" --dtype $dt --device "$DEV" --skip-long \
             --out "$OUT/eval_decode_$dt.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -12
     done

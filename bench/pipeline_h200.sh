@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One GPU lease's whole measurement as one background job, so no stage waits for a device call to start it and no
+# call's 10-minute limit cuts a stage. From the device calls, back to back (the machine is given back after ~30 s
+# idle, and everything under $WORK with it):
+#   call 1: PART=setup1 WORK=/root/q bash bench/quality_h200.sh                       (carry .gguf/part-aa, .whl)
+#   call 2: PART=setup2 WORK=/root/q bash bench/quality_h200.sh && bash bench/pipeline_h200.sh start   (.gguf/part-ab)
+#   call 3..: bash bench/pipeline_h200.sh poll 540     (waits up to 540 s or until the job is done; results to $OUT)
+# The job runs from a snapshot of the tree taken at start (later calls re-send the tree; a running script must not
+# change under bash), except the eval stage, which snapshots the tree again when it starts: code sent by a poll
+# call in the meantime is what it runs. Stages, each bounded, the whole by DEADLINE seconds:
+#   ab     the engine on the real SmolLM2 at 1024 slots: decode attention sdpa vs matmul (-> ATTN), then the
+#          faster one at 2048 slots (-> SLOTS); bench.generate_bench
+#   gen    data.synthesize, NUM conversations, GEN_SECONDS at most (resumable); the GPU tests run beside it
+#   fp8    bench.fp8_h200 (FP8 and the one-process trainer with COMPILE_TARGET), beside data.prepare
+#   prep   the curve's data sizes
+#   train  RUNS (bench/quality_h200.sh), TRAIN_SECONDS at most, checkpoints every SAVE_EVERY steps
+#   eval   tau of every run at the largest checkpoint step all runs reached (equal steps), fast decode speed
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WORK=${WORK:-/root/q}
+export WORK
+JOB=$WORK/job
+mkdir -p "$JOB" "$WORK/out"
+
+if [ "${1:-}" = start ]; then
+    rm -rf "$WORK/repo" "$JOB/done"
+    cp -a . "$WORK/repo"
+    echo "$PWD" > "$JOB/live_tree"
+    setsid nohup bash "$WORK/repo/bench/pipeline_h200.sh" run > "$JOB/log" 2>&1 < /dev/null &
+    echo "pipeline started (pid $!), log $JOB/log"
+    sleep 20; tail -5 "$JOB/log"
+    exit 0
+fi
+
+if [ "${1:-}" = poll ]; then
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ ! -f "$JOB/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    echo "== stage: $(cat "$JOB/stage" 2>/dev/null) $( [ -f "$JOB/done" ] && echo '(job done)')"
+    grep -a -v "it/s\]\|s/it\]" "$JOB/log" | tail -${LINES_BACK:-60}
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+    [ -n "${OUT:-}" ] && mkdir -p "$OUT" && cp "$JOB/log" "$WORK/out/pipeline.log" && tar czf "$OUT/results.tgz" -C "$WORK" out && \
+        ls -la "$OUT"
+    exit 0
+fi
+
+# --- the job (run from the snapshot) ---------------------------------------------------------------------------
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-1440}
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+say() { echo "[pipeline $(( $(date +%s) - T0 ))s] $*"; }
+stage() { echo "$1" > "$JOB/stage"; say "stage $1 ($(left) s left)"; }
+export PY=${PY:-python3} OUT=$WORK/out PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+export SMOL=${SMOL:-$WORK/smollm2-135m-instruct}
+Q() { PART="$1" bash bench/quality_h200.sh; }
+# SMOKE=1: a CPU rehearsal of the whole chain in minutes (tiny numbers; no GPU tests, no FP8)
+AB=(--slots 1024 --prompts 2048 --new 256); AB2=(--slots 2048 --prompts 4096 --new 256)
+[ "${SMOKE:-0}" = 1 ] && AB=(--slots 4 --prompts 8 --new 8 --device cpu) && AB2=(--slots 8 --prompts 8 --new 8 --device cpu)
+
+stage ab
+$PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention sdpa,matmul \
+    --temperature 0.6 2>&1 | grep -v Loading | tee "$OUT/engine_ab.txt"
+rate() { awk -v a="${1:-}" '/^engine/ && (a == "" || $2 == a) {for (i = 2; i <= NF; i++) if ($i == "tok/s") {
+    r = $(i - 1); gsub(",", "", r); if (r + 0 > best) {best = r + 0; at = $2; slots = $4}}} END {print at, slots}' "$OUT/engine_ab.txt"; }
+read -r ATTN _ <<< "$(rate)"
+ATTN=${ATTN:-sdpa}
+$PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" \
+    --temperature 0.6 2>&1 | grep -v Loading | tee -a "$OUT/engine_ab.txt"
+read -r _ SLOTS <<< "$(rate "$ATTN")"
+SLOTS=${SLOTS:-1024}
+say "engine: attention $ATTN, $SLOTS slots"
+
+stage gen
+tests_pid=
+[ "${SMOKE:-0}" = 1 ] || { ( ONLY=tests bash bench/throughput_h200.sh "$OUT/gpu" > "$OUT/gpu_tests.txt" 2>&1 ) & tests_pid=$!; }
+GEN_SECONDS=${GEN_SECONDS:-600} SLOTS=$SLOTS ATTN=$ATTN Q gen
+[ -n "$tests_pid" ] && wait $tests_pid && tail -4 "$OUT/gpu_tests.txt"
+
+stage "fp8+prep"
+fp8_pid=
+[ "${SMOKE:-0}" = 1 ] || { ( $PY -m bench.fp8_h200 --budget-s "${FP8_SECONDS:-200}" --json "$OUT/fp8.json" \
+    > "$OUT/fp8.txt" 2>&1 ) & fp8_pid=$!; }
+Q prep
+[ -n "$fp8_pid" ] && wait $fp8_pid && grep -v "Loading" "$OUT/fp8.txt" | tail -25
+
+stage train
+EVAL_RESERVE=${EVAL_RESERVE:-150}
+TRAIN_SECONDS=$(( $(left) - EVAL_RESERVE )) Q train
+
+stage eval
+live=$(cat "$JOB/live_tree")
+rm -rf "$WORK/repo_eval" && cp -a "$live" "$WORK/repo_eval" && cd "$WORK/repo_eval"
+EQUAL_STEPS=1 Q eval
+cd - > /dev/null
+stage done
+say "pipeline done"
+touch "$JOB/done"
