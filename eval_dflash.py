@@ -662,10 +662,11 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
 
 def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs) -> FastDecoder:
     """A FastDecoder whose static cache fits every prompt of prompts_ids with max_new_tokens and the last block
-    (a multiple of 16 positions, for the attention kernels' alignment, within max_position_embeddings)."""
+    (need <= max_position_embeddings, as evaluate_drafters checked), rounded up to a multiple of 16 positions (the
+    attention kernels' alignment) within max_position_embeddings."""
     need = max(map(len, prompts_ids)) + max_new_tokens + block_size - 1
     limit = model.config.get_text_config().max_position_embeddings
-    return FastDecoder(model, max(need, min(-(-need // 16) * 16, limit)), cuda_graphs=cuda_graphs)
+    return FastDecoder(model, min(-(-need // 16) * 16, limit), cuda_graphs=cuda_graphs)
 
 
 def summarize(per_prompt, skipped, config) -> dict:
@@ -748,9 +749,10 @@ def report_lines(res) -> list[str]:
         s, workers = res["tokens_per_s"], c.get("workers", 1)
         shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
             if workers > 1 else ""
-        loop = {"decode": "HF decode loop", "fast": "fast loop, " + ("CUDA graphs" if c["cuda_graphs"] else "eager")}
+        loop = "HF decode loop" if c.get("method", "decode") == "decode" else \
+            f"fast loop, {'CUDA graphs' if c['cuda_graphs'] else 'eager'}"
         lines.append(f"tok/s on {c['device_name']} ({c['device']}, target {c['dtype']}, drafter {c['drafter_dtype']}, "
-                     f"{loop[c.get('method', 'decode')]}): "
+                     f"{loop}): "
                      f"greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
                      + (f" | ddtree {s['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x, tree_tau "
                         f"{_fmt(res['tree_tau'])}, budget {c['tree_budget']})" if tree else "") + shared)

@@ -360,7 +360,7 @@ class Drafter(nn.Module):
         cos, sin = rope_cos_sin(block_positions, cfg)                        # [M, D]
         M = block_positions.shape[0]
         visible = None if ctx_valid is None else torch.cat([ctx_valid, ctx_valid.new_ones(M)])   # [T+M]
-        masks = {"full_attention": None if visible is None else visible[None].expand(M, -1)}
+        masks = {"full_attention": None if visible is None else visible[None]}   # [1, T+M], or None: all
         if "sliding_attention" in cfg.layer_types:
             kp = torch.cat([cache.positions, block_positions])              # [T+M] key positions
             dist = block_positions[:, None] - kp[None, :]                   # [M, T+M]
