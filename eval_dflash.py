@@ -671,7 +671,7 @@ def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs) ->
 
 def summarize(per_prompt, skipped, config) -> dict:
     """The aggregates of per-prompt results given in prompt order. The one code path for a single process and for
-    the merged shards of --workers, so both give the same numbers. Speed (decode only): generated tokens / seconds
+    the merged shards of --workers, so both give the same numbers. Speed (decode, fast): generated tokens / seconds
     summed over prompts, per mode, with the device and dtypes it was measured on."""
     tree = bool(config["tree_budget"])
     result = {

@@ -207,7 +207,7 @@ class Engine:
         mask = (self.positions[:L] <= self.pos[:, None])[:, None, None]         # [S, 1, 1, L]
         for layer, (kc, vc) in zip(self.layers, self.cache):
             attn = layer.self_attn
-            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.rope)       # q [S, heads, 1, D]
+            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.rope)  # q [S, heads, 1, D]
             kc[self.slot_ids, :, self.pos], vc[self.slot_ids, :, self.pos] = k[:, :, 0], v[:, :, 0]
             # GQA without repeating the cache: a KV head's `group` query heads are its `group` queries
             q = q.reshape(S, self.n_kv, self.group, self.head_dim)              # [S, kv_heads, group, D]
@@ -347,8 +347,8 @@ def check_supported(cfg, attn, rotary, max_len, fallback="--engine hf"):
     window = getattr(attn, "sliding_window", getattr(cfg, "sliding_window", None))
     if window is not None and window < max_len:
         raise ValueError(f"engine: {cfg.model_type} uses sliding-window attention ({window} tokens) and max_len "
-                         f"{max_len} exceeds it; the engine attends to the whole cache: lower --max-len to {window}, or use "
-                         f"{fallback}")
+                         f"{max_len} exceeds it; the engine attends to the whole cache: lower --max-len to {window}, "
+                         f"or use {fallback}")
     rope_type = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         raise ValueError(f"engine: rope_type {rope_type!r} changes with the sequence length; the engine "

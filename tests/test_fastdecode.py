@@ -183,3 +183,28 @@ def test_cli_fast(tiny_qwen3_dir, trained, tmp_path, capsys):
     assert [r["steps"] for r in decode["per_prompt"]] == [r["steps"] for r in fast["per_prompt"]]
     with pytest.raises(SystemExit, match="the fast loop verifies blocks only"):
         main(args + ["--method", "fast", "--tree-budget", "4"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
+def test_cuda_graphs_equal_eager_and_the_decode_loop(trained):
+    """On a GPU, fp32: graph replays give the eager steps' tokens and steps, and the HF decode loop's; two drafters
+    (two graphs sharing the greedy graph's pool) and prompts of several lengths through one decoder."""
+    import copy
+    model, drafter, prompts = trained
+    model, drafters = copy.deepcopy(model).cuda(), [copy.deepcopy(drafter).cuda() for _ in range(2)]
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in drafters[1].parameters():                  # a second, different drafter for the same target
+            p += 0.01 * torch.randn_like(p)
+    prompts = prompts + random_prompts(128, (9, 17), seed=3)
+    n = max(map(len, prompts)) + MAX_NEW + B - 1
+    graphs, eager = FastDecoder(model, n), FastDecoder(model, n, cuda_graphs=False)
+    assert graphs.cuda_graphs and not eager.cuda_graphs
+    for d in drafters:
+        proposer, sg, se = DrafterProposer(d, model), graphs.drafter(d, B), eager.drafter(d, B)
+        for p in prompts:
+            want = speculative_decode(model, p, proposer, B, MAX_NEW, set())
+            assert graphs.speculative(p, sg, MAX_NEW, set()) == eager.speculative(p, se, MAX_NEW, set()) == want
+            assert graphs.greedy(p, MAX_NEW, set()) == eager.greedy(p, MAX_NEW, set()) == greedy_decode(
+                model, p, MAX_NEW, set())
+    assert len(graphs.graphs) == 3                          # greedy + one per drafter
