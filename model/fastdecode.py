@@ -129,13 +129,11 @@ class FastDecoder:
         self.start += a + 1
 
     def _launch(self, key, step):
-        """Run step() once: replay its CUDA graph (captured at the first call), or eagerly."""
-        if not self.cuda_graphs:
+        """Run step() once: replay its CUDA graph (captured by _ready before the decode began), or eagerly."""
+        if self.cuda_graphs:
+            self.graphs[key].replay()
+        else:
             step()
-            return
-        if key not in self.graphs:
-            self._capture(key, step)
-        self.graphs[key].replay()
 
     def _capture(self, key, step):
         """The engine's pattern (data/engine.py Engine._capture): warm-up runs on a side stream, then the capture,
@@ -154,6 +152,7 @@ class FastDecoder:
         self.graphs[key] = g
 
     def _ready(self, key, step):
+        """Capture step's graph if it has none yet: before a decode's prefill, never in the middle of one."""
         if self.cuda_graphs and key not in self.graphs:
             self.start.zero_()               # warm-up steps write near position 0, which the prefill then rewrites
             self._capture(key, step)
