@@ -25,6 +25,10 @@ Choices (documented here once):
   - Losslessness: the reference is plain greedy decoding with the same KV-cache forward, one token at a time (not
     model.generate); any difference is reported with its first position. On GPU in bf16 a block forward and a
     one-token forward round differently, so a rare near-tie can flip: that shows up here as a mismatch, honestly.
+  - --method fast (model.fastdecode): the same loop and acceptance rule on static KV caches (target and drafter
+    context), each step kind one CUDA graph, the host reading back one small tensor per step: its cost is the GPU
+    work, not HF's per-token Python. Its greedy baseline runs the same machinery (a fair speedup) and is its
+    losslessness reference; in fp32 its tokens, steps and tau equal --method decode's. Block verification only.
   - DDTree: best-first tree over the drafter's per-slot top-k (one drafter run per step, node at depth d uses slot d),
     verified in one target forward with a 4D additive ancestor-only mask (attn_implementation sdpa or eager). After
     it the target cache holds every tree node: the accepted path's entries are gathered in place (a node's KV only
@@ -61,11 +65,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from data.chat import render
+from data.engine import SUPPORTED
 from model.drafter import DrafterCache
 from model.export import load_drafter
+from model.fastdecode import FastDecoder
 from model.target import Target
 
 MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
+METHODS = ("decode", "fast", "walk")   # --method: see evaluate_drafters
 TREE_TOP_K = 8         # DDTree: candidate tokens per slot, i.e. children per tree node
 WARMUP_TOKENS = 8      # untimed warm-up decode on the first prompt (CUDA init, allocator)
 
@@ -523,7 +530,7 @@ def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new
 
 def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
                       tree_budget=0, device=None, *, tree_top_k=TREE_TOP_K, enable_thinking=None, on_too_long="error",
-                      reference=None, shard=(0, 1), log=print, method="decode") -> list[dict]:
+                      reference=None, shard=(0, 1), log=print, method="decode", cuda_graphs=True) -> list[dict]:
     """One result per drafter, over the same prompts, with one warm-up and one greedy reference per prompt for all.
 
     target_model: an HF causal LM (attn_implementation sdpa or eager for trees) or a model.target.Target;
@@ -533,9 +540,11 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
     timing: they depend on the target and prompts only, not on the drafter;
     shard=(k, n): decode only the kept prompts k, k+n, k+2n, ... (a --workers process; merge_shards joins them);
     log: called with one line per prompt (None: quiet);
-    method: "decode" (the decode loop: tau, losslessness, tokens/s) or "walk" (walk_evaluate: the same tau and
-    steps from batched greedy references and one forward per prompt, without decoding: no speed, no
-    losslessness check; Drafters only)."""
+    method: "decode" (the decode loop: tau, losslessness, tokens/s), "fast" (the same loop on static caches and
+    CUDA graphs, model.fastdecode, with its own greedy as the baseline and reference: block verification only,
+    Drafters only, an HF Llama / Mistral / Qwen2 / Qwen3 target; cuda_graphs=False runs its steps eagerly) or
+    "walk" (walk_evaluate: the same tau and steps from batched greedy references and one forward per prompt,
+    without decoding: no speed, no losslessness check; Drafters only)."""
     model = target_model.model if isinstance(target_model, Target) else target_model
     model.eval()
     device = torch.device(device) if device is not None else model.device
@@ -543,9 +552,11 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         device = torch.device("cuda", torch.cuda.current_device())
     assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
     proposers = [d if hasattr(d, "propose") else DrafterProposer(d, model) for d in drafters]
-    assert method in ("decode", "walk"), f"method {method!r} is not decode or walk"
-    if method == "walk" and not all(isinstance(p, DrafterProposer) for p in proposers):
-        raise ValueError("the walk runs a Drafter's training forward: it needs Drafters, not other proposers")
+    assert method in METHODS, f"method {method!r} is not one of {METHODS}"
+    if method in ("walk", "fast") and not all(isinstance(p, DrafterProposer) for p in proposers):
+        raise ValueError(f"--method {method} runs the Drafter itself: it needs Drafters, not other proposers")
+    if method == "fast" and tree_budget:
+        raise ValueError("--method fast verifies blocks only: drop --tree-budget, or use --method decode for DDTree")
     block_sizes = [block_size or p.drafter.config.block_size for p in proposers]
     if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
@@ -579,7 +590,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
                 "tree_top_k": tree_top_k, "device": str(device), "device_name": device_name(device),
                 "dtype": str(model.dtype).replace("torch.", ""),
                 "drafter_dtype": str(getattr(proposer, "dtype", model.dtype)).replace("torch.", ""),
-                "enable_thinking": enable_thinking, "eos_ids": sorted(eos)}
+                "enable_thinking": enable_thinking, "eos_ids": sorted(eos)} \
+            | ({"cuda_graphs": fast.cuda_graphs} if method == "fast" else {})    # called once `fast` exists
     if method == "walk":
         t0 = time.perf_counter()
         per = walk_evaluate(model, proposers, block_sizes, items, max_new_tokens, eos, tree_budget, tree_top_k,
@@ -589,22 +601,34 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
                 for pp, p, bs in zip(per, proposers, block_sizes)]
 
     modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
+    if method == "fast":
+        fast = fast_decoder(model, [ids for _, ids in items], max_new_tokens, max(block_sizes), cuda_graphs)
+        states = [fast.drafter(p.drafter, bs) for p, bs in zip(proposers, block_sizes)]
+        greedy = lambda ids, m: fast.greedy(ids, m, eos)                                       # noqa: E731
+        spec = lambda j, ids, m, budget: fast.speculative(ids, states[j], m, eos)              # noqa: E731
+        warm = range(len(proposers))                  # each drafter's step is its own CUDA graph, captured here
+    else:
+        greedy = lambda ids, m: greedy_decode(model, ids, m, eos)                              # noqa: E731
+        spec = lambda j, ids, m, budget: speculative_decode(model, ids, proposers[j], block_sizes[j], m,  # noqa: E731
+                                                            eos, budget, tree_top_k)
+        warm = range(1)
     if items:                                                      # untimed warm-up of every code path
         ids0 = items[0][1]
-        greedy_decode(model, ids0, WARMUP_TOKENS, eos)
-        for budget in modes.values():
-            speculative_decode(model, ids0, proposers[0], block_sizes[0], WARMUP_TOKENS, eos, budget, tree_top_k)
+        greedy(ids0, WARMUP_TOKENS)
+        for j in warm:
+            for budget in modes.values():
+                spec(j, ids0, WARMUP_TOKENS, budget)
 
     results = []
     for j, (proposer, bs) in enumerate(zip(proposers, block_sizes)):
         who = f"drafter {j + 1}/{len(proposers)} " if len(proposers) > 1 else ""
         per_prompt = []
         for n, (row, ids) in enumerate(items, 1):
-            key = (tuple(ids), max_new_tokens)
+            key = (method, tuple(ids), max_new_tokens)            # fast's greedy is its own baseline
             if key not in reference:
                 _sync(device)
                 t0 = time.perf_counter()
-                want = greedy_decode(model, ids, max_new_tokens, eos)
+                want = greedy(ids, max_new_tokens)
                 _sync(device)
                 reference[key] = (want, time.perf_counter() - t0)
             want, secs = reference[key]
@@ -613,7 +637,7 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
             for mode, budget in modes.items():
                 _sync(device)
                 t0 = time.perf_counter()
-                got = speculative_decode(model, ids, proposer, bs, max_new_tokens, eos, budget, tree_top_k)
+                got = spec(j, ids, max_new_tokens, budget)
                 _sync(device)
                 r["seconds"][mode] = time.perf_counter() - t0
                 r["gen_tokens"][mode] = len(got["tokens"])
@@ -636,9 +660,18 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
     return results
 
 
+def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs) -> FastDecoder:
+    """A FastDecoder whose static cache fits every prompt of prompts_ids with max_new_tokens and the last block
+    (need <= max_position_embeddings, as evaluate_drafters checked), rounded up to a multiple of 16 positions (the
+    attention kernels' alignment) within max_position_embeddings."""
+    need = max(map(len, prompts_ids)) + max_new_tokens + block_size - 1
+    limit = model.config.get_text_config().max_position_embeddings
+    return FastDecoder(model, min(-(-need // 16) * 16, limit), cuda_graphs=cuda_graphs)
+
+
 def summarize(per_prompt, skipped, config) -> dict:
     """The aggregates of per-prompt results given in prompt order. The one code path for a single process and for
-    the merged shards of --workers, so both give the same numbers. Speed (decode only): generated tokens / seconds
+    the merged shards of --workers, so both give the same numbers. Speed (decode, fast): generated tokens / seconds
     summed over prompts, per mode, with the device and dtypes it was measured on."""
     tree = bool(config["tree_budget"])
     result = {
@@ -663,7 +696,8 @@ def summarize(per_prompt, skipped, config) -> dict:
             "lossless": all(r["lossless"] for r in per_prompt),
             "tokens_per_s": tok_s,
             "speedup": tok_s["dflash"] / tok_s["greedy"],
-            "measured_on": {k: config[k] for k in ("device", "device_name", "dtype", "drafter_dtype")},
+            "measured_on": {k: config[k] for k in ("device", "device_name", "dtype", "drafter_dtype", "method",
+                                                   "cuda_graphs") if k in config},
             "mismatches": [{"id": r["id"], "dflash": r["mismatch"], "ddtree": r.get("tree_mismatch")}
                            for r in per_prompt if not r["lossless"]],
         }
@@ -715,7 +749,10 @@ def report_lines(res) -> list[str]:
         s, workers = res["tokens_per_s"], c.get("workers", 1)
         shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
             if workers > 1 else ""
-        lines.append(f"tok/s on {c['device_name']} ({c['device']}, target {c['dtype']}, drafter {c['drafter_dtype']}): "
+        loop = "HF decode loop" if c.get("method", "decode") == "decode" else \
+            f"fast loop, {'CUDA graphs' if c['cuda_graphs'] else 'eager'}"
+        lines.append(f"tok/s on {c['device_name']} ({c['device']}, target {c['dtype']}, drafter {c['drafter_dtype']}, "
+                     f"{loop}): "
                      f"greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
                      + (f" | ddtree {s['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x, tree_tau "
                         f"{_fmt(res['tree_tau'])}, budget {c['tree_budget']})" if tree else "") + shared)
@@ -752,7 +789,8 @@ def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
         return evaluate_drafters(model, tokenizer, drafters, prompts, a.block_size, a.max_new_tokens, a.tree_budget,
                                  device, tree_top_k=a.tree_top_k, shard=shard, log=log,
                                  enable_thinking={"auto": None, "on": True, "off": False}[a.thinking],
-                                 on_too_long="skip" if a.skip_long else "error", method=a.method)
+                                 on_too_long="skip" if a.skip_long else "error", method=a.method,
+                                 cuda_graphs=a.cuda_graphs == "on")
     except PromptTooLong as e:
         sys.exit(f"error: {e}")
 
@@ -802,10 +840,16 @@ def check_args(a) -> list[str]:
                             ("--tree-top-k", a.tree_top_k, 1), ("--workers", a.workers, 1)]:
         if value is not None and value < lo:
             errs.append(f"{name} {value}: must be at least {lo}")
+    if a.method == "fast" and a.tree_budget:
+        errs.append(f"--tree-budget {a.tree_budget} with --method fast: the fast loop verifies blocks only; drop "
+                    f"--tree-budget, or use --method decode for DDTree")
     try:
         target = AutoConfig.from_pretrained(Path(a.target).expanduser(), local_files_only=True).get_text_config()
     except (OSError, ValueError) as e:
         return errs + [f"--target {a.target} is not a local Hugging Face model folder ({str(e)[:120]})"]
+    if a.method == "fast" and target.model_type not in SUPPORTED:
+        errs.append(f"--method fast runs the decoder layers of {SUPPORTED} models; --target {a.target} is "
+                    f"{target.model_type!r}: use --method decode")
     for path in a.drafter:
         if not (path / "config.json").exists():
             errs.append(f"--drafter {path} has no config.json: pass an exported drafter folder (config.json + "
@@ -842,9 +886,13 @@ def main(argv=None):
     p.add_argument("--prompts", required=True, help="JSONL rows with messages | prompt | input_ids, optional category")
     p.add_argument("--block-size", type=int, default=None, help="default: each drafter's block_size")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    p.add_argument("--method", choices=["decode", "walk"], default="decode",
-                   help="decode: the decode loop (tau, losslessness, tokens/s); walk: the same tau and steps from "
-                        "batched greedy references and one forward per prompt (fast; no speed, no losslessness check)")
+    p.add_argument("--method", choices=METHODS, default="decode",
+                   help="decode: the decode loop (tau, losslessness, tokens/s); fast: the same loop on static KV "
+                        "caches and CUDA graphs, its own greedy as the baseline (the GPU speedup; Llama/Qwen "
+                        "targets, no --tree-budget); walk: the same tau and steps from batched greedy references "
+                        "and one forward per prompt (no speed, no losslessness check)")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
+                   help="--method fast: replay each step as a CUDA graph (on) or run it eagerly (off; same maths)")
     p.add_argument("--tree-budget", type=int, default=0, help="DDTree node budget; 0 = block verification only")
     p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")

@@ -153,7 +153,7 @@ class Engine:
         attn = self.layers[0].self_attn
         check_supported(cfg, attn, self.decoder.rotary_emb, max_len)
         self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.rope = model_rope(attn)
         self.n_kv, self.head_dim = cfg.num_key_value_heads, attn.head_dim
         self.group = cfg.num_attention_heads // self.n_kv      # query heads per KV head
         self.S, self.max_len, self.seed = max_batch, max_len, seed
@@ -161,9 +161,7 @@ class Engine:
         S, V = max_batch, self.lm_head.out_features
         self.cache = [(torch.zeros(S, self.n_kv, max_len, self.head_dim, dtype=dt, device=dev),
                        torch.zeros(S, self.n_kv, max_len, self.head_dim, dtype=dt, device=dev)) for _ in self.layers]
-        with torch.no_grad():
-            cos, sin = self.decoder.rotary_emb(self.embed.weight[:1], torch.arange(max_len, device=dev)[None])
-        self.cos, self.sin = cos[0], sin[0]                     # [max_len, head_dim], the model's own RoPE values
+        self.cos, self.sin = rope_tables(self.decoder, self.embed, max_len)   # [max_len, head_dim]
         # per-slot state: static buffers that the decode step (and its CUDA graphs) read and update in place
         z = dict(dtype=torch.long, device=dev)
         self.tokens, self.pos, self.ngen = torch.zeros(S, **z), torch.zeros(S, **z), torch.zeros(S, **z)
@@ -186,17 +184,6 @@ class Engine:
                              f"{self.max_len}: raise --max-len (or lower --max-new-tokens)")
 
     # --- the model, layer by layer -----------------------------------------------------------------------------------
-
-    def _qkv(self, attn, h, cos, sin):
-        """h [b, s, H] -> q [b, heads, s, D], k and v [b, kv_heads, s, D], with the model's q/k norms and RoPE."""
-        b, s, _ = h.shape
-        q = attn.q_proj(h).view(b, s, -1, self.head_dim)
-        k = attn.k_proj(h).view(b, s, -1, self.head_dim)
-        v = attn.v_proj(h).view(b, s, -1, self.head_dim)
-        if hasattr(attn, "q_norm"):                             # Qwen3: RMSNorm over head_dim before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
 
     def _logits(self, h):
         """h [n, H] -> [n, V] float32: lm_head in the model dtype, then float, as HF generate does."""
@@ -223,7 +210,7 @@ class Engine:
         cos, sin = self.cos[None, :P], self.sin[None, :P]
         for layer, (kc, vc) in zip(self.layers, self.cache):
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)
+            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.rope)
             kc[sl, :, :P], vc[sl, :, :P] = k, v
             # right padding + causal: a real token never sees a pad; the pads' own rows are ignored
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
@@ -256,7 +243,7 @@ class Engine:
         mask = (self.positions[:L] <= self.pos[:, None])[:, None, None]         # [S, 1, 1, L]
         for layer, (kc, vc) in zip(self.layers, self.cache):
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x), cos, sin)       # q [S, heads, 1, D]
+            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.rope)  # q [S, heads, 1, D]
             kc[self.slot_ids, :, self.pos], vc[self.slot_ids, :, self.pos] = k[:, :, 0], v[:, :, 0]
             o = self._attend(attn, q.reshape(S, self.n_kv, self.group, self.head_dim), kc, vc, L, mask)
             x = x + attn.o_proj(o.reshape(S, 1, -1))
@@ -414,16 +401,45 @@ class Engine:
         return out
 
 
-def check_supported(cfg, attn, rotary, max_len):
-    """The engine re-implements the decoder layer's wiring: refuse models whose wiring or RoPE differs."""
+# --- the decoder layer's wiring (also model/fastdecode.py's) ---------------------------------------------------------
+
+def check_supported(cfg, attn, rotary, max_len, fallback="--engine hf"):
+    """The engine re-implements the decoder layer's wiring: refuse models whose wiring or RoPE differs.
+    fallback: what the message tells the user to use instead."""
     if cfg.model_type not in SUPPORTED:
         raise ValueError(f"engine: model_type {cfg.model_type!r} is not one of {SUPPORTED} (their decoder layers are "
-                         f"what the engine runs): use --engine hf")
+                         f"what the engine runs): use {fallback}")
     window = getattr(attn, "sliding_window", getattr(cfg, "sliding_window", None))
     if window is not None and window < max_len:
         raise ValueError(f"engine: {cfg.model_type} uses sliding-window attention ({window} tokens) and max_len "
-                         f"{max_len} exceeds it; the engine attends to the whole cache: lower --max-len to {window}")
+                         f"{max_len} exceeds it; the engine attends to the whole cache: lower --max-len to {window}, "
+                         f"or use {fallback}")
     rope_type = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         raise ValueError(f"engine: rope_type {rope_type!r} changes with the sequence length; the engine "
-                         f"precomputes one table: use --engine hf")
+                         f"precomputes one table: use {fallback}")
+
+
+def model_rope(attn):
+    """The attention module's own modeling file's apply_rotary_pos_emb(q, k, cos, sin)."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+@torch.no_grad()
+def rope_tables(decoder, embed, max_len):
+    """-> cos, sin [max_len, head_dim]: the decoder's rotary module's own values at positions 0..max_len-1."""
+    cos, sin = decoder.rotary_emb(embed.weight[:1], torch.arange(max_len, device=embed.weight.device)[None])
+    return cos[0], sin[0]
+
+
+def qkv(attn, h, cos, sin, rope):
+    """h [b, s, H] -> q [b, heads, s, D], k and v [b, kv_heads, s, D], with the model's q/k norms and RoPE
+    (rope = model_rope(attn); cos, sin broadcastable to [b, s, D])."""
+    b, s, _ = h.shape
+    q = attn.q_proj(h).view(b, s, -1, attn.head_dim)
+    k = attn.k_proj(h).view(b, s, -1, attn.head_dim)
+    v = attn.v_proj(h).view(b, s, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):                             # Qwen3: RMSNorm over head_dim before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v.transpose(1, 2)

@@ -350,18 +350,23 @@ class Drafter(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def step(self, cache: "DrafterCache", block_emb, block_positions):
+    def step(self, cache: "DrafterCache", block_emb, block_positions, ctx_valid=None):
         """One block against all cached context: block_emb [M, H] at block_positions [M] (consecutive, all after
         the cached context) -> [M, H]. Same visibility as training's mask for an anchor right after the context:
         full layers see all context + the whole block; sliding layers are causal in the block and see keys less
-        than sliding_window positions back."""
+        than sliding_window positions back. ctx_valid [T] bool: which cached rows are context (a static cache,
+        model/fastdecode.py, also holds rows past it); None: all of them."""
         cfg = self.config
         cos, sin = rope_cos_sin(block_positions, cfg)                        # [M, D]
-        masks = {"full_attention": None}
+        M = block_positions.shape[0]
+        visible = None if ctx_valid is None else torch.cat([ctx_valid, ctx_valid.new_ones(M)])   # [T+M]
+        masks = {"full_attention": None if visible is None else visible[None]}   # [1, T+M], or None: all
         if "sliding_attention" in cfg.layer_types:
             kp = torch.cat([cache.positions, block_positions])              # [T+M] key positions
             dist = block_positions[:, None] - kp[None, :]                   # [M, T+M]
             masks["sliding_attention"] = (dist >= 0) & (dist < cfg.sliding_window)
+            if visible is not None:
+                masks["sliding_attention"] &= visible
         x = block_emb
         for layer, kind, (k, v) in zip(self.layers, cfg.layer_types, cache.kv):
             x = layer.step(x, k, v, cos, sin, masks[kind])

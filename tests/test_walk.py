@@ -113,7 +113,7 @@ def test_speed_is_reported_with_device_and_dtype(small_vocab, build_drafter):
     res = evaluate(model, None, d, rows, block_size=B, max_new_tokens=12, tree_budget=4, tree_top_k=2, log=None)
     on = res["measured_on"]
     assert on == {"device": "cpu", "device_name": f"cpu ({torch.get_num_threads()} threads)", "dtype": "float32",
-                  "drafter_dtype": "float32"}
+                  "drafter_dtype": "float32", "method": "decode"}
     assert {k: res["config"][k] for k in on} == on
     tps = res["tokens_per_s"]
     assert set(tps) == {"greedy", "dflash", "ddtree"} and all(v > 0 for v in tps.values())
@@ -122,8 +122,8 @@ def test_speed_is_reported_with_device_and_dtype(small_vocab, build_drafter):
         toks = sum(r["gen_tokens"][m] for r in res["per_prompt"])
         assert tps[m] == pytest.approx(toks / sum(r["seconds"][m] for r in res["per_prompt"]), rel=1e-12)
     line = next(l for l in report_lines(res) if l.startswith("tok/s"))
-    assert line.startswith(f"tok/s on {on['device_name']} (cpu, target float32, drafter float32): greedy "
-                           f"{tps['greedy']:.1f} | dflash {tps['dflash']:.1f} (speedup {res['speedup']:.2f}x) | "
+    assert line.startswith(f"tok/s on {on['device_name']} (cpu, target float32, drafter float32, HF decode loop): "
+                           f"greedy {tps['greedy']:.1f} | dflash {tps['dflash']:.1f} (speedup {res['speedup']:.2f}x) | "
                            f"ddtree {tps['ddtree']:.1f} (speedup {res['tree_speedup']:.2f}x"), line
 
 

@@ -1,0 +1,225 @@
+"""Batch-1 greedy and DFlash speculative decoding whose cost is the GPU work: static KV caches, static-shape steps,
+one CUDA graph per step kind (eval_dflash.py --method fast measures speedup with it).
+
+    fast = FastDecoder(model, max_len=L + max_new + B - 1)           # an HF Llama / Mistral / Qwen2 / Qwen3
+    tokens = fast.greedy(prompt_ids, max_new, eos)                   # the baseline
+    draft = fast.drafter(drafter, block_size=B)                      # a model.drafter.Drafter, its own static cache
+    out = fast.speculative(prompt_ids, draft, max_new, eos)          # {"tokens": [...], "steps": [...]}
+
+The target runs the model's own submodules with data/engine.py's wiring (check_supported, qkv, the RoPE tables):
+per layer a static cache [1, kv_heads, max_len, head_dim], written by position; a query at position p attends to
+the keys at positions <= p. So a verify block at p..p+B-1 is causal inside itself and full over the prefix, and the
+entries a rejected draft wrote are simply overwritten by the next block (its first position is the first one not
+committed) before anything reads them: no crop. The drafter's context cache (model.drafter.Drafter.step's keys and
+values) is static the same way: row = position, visible while < the block's start; a step writes the context
+rows of all B block tokens and only the accepted ones fall below the next start.
+
+Two step kinds, each one CUDA graph (replayed on static buffers; eager on a CPU or with cuda_graphs=False, same
+code): the greedy step (one token at `start` -> its argmax, start += 1) and the speculative step (drafter proposes
+from [token, MASK x (B-1)] at start..start+B-1 -> the target verifies [token, drafts] -> accepted count a = the
+longest prefix of drafts equal to the target's argmax -> the drafter's context gets the block's features -> the
+next token is the target's argmax after the a accepted drafts, start += a + 1). The host reads back one small
+tensor per step (the next token; or the block's argmax ids and a) to cut at eos / max_new_tokens, as
+eval_dflash.speculative_decode does. The prompt prefill is one eager forward of the same code.
+"""
+import torch
+import torch.nn.functional as F
+
+from data.engine import check_supported, model_rope, qkv, rope_tables
+
+GRAPH_WARMUP = 2      # eager runs of a step on a side stream before its capture (lazy inits, allocator)
+
+
+class FastDecoder:
+    """The target with a static KV cache of max_len positions (a prompt plus its generated tokens plus B - 1 must
+    fit), the greedy and verify steps, and their CUDA graphs (cuda_graphs: None = on CUDA, False = never)."""
+
+    def __init__(self, model, max_len, cuda_graphs=None):
+        cfg = model.config.get_text_config()
+        self.decoder = model.get_decoder()
+        self.layers = list(self.decoder.layers)
+        attn = self.layers[0].self_attn
+        check_supported(cfg, attn, self.decoder.rotary_emb, max_len, fallback="--method decode")
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.rope = model_rope(attn)
+        self.n_kv, self.head_dim = cfg.num_key_value_heads, attn.head_dim
+        self.group = cfg.num_attention_heads // self.n_kv          # query heads per KV head
+        self.max_len, self.last_layer = max_len, len(self.layers) - 1
+        dev, dt = self.embed.weight.device, self.embed.weight.dtype
+        self.cache = [(torch.zeros(1, self.n_kv, max_len, self.head_dim, dtype=dt, device=dev),
+                       torch.zeros(1, self.n_kv, max_len, self.head_dim, dtype=dt, device=dev)) for _ in self.layers]
+        self.cos, self.sin = rope_tables(self.decoder, self.embed, max_len)   # [max_len, head_dim]
+        self.positions = torch.arange(max_len, device=dev)
+        # the state every step reads and updates in place: the last committed token and its position
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.start = torch.zeros(1, dtype=torch.long, device=dev)
+        self.cuda_graphs = dev.type == "cuda" and cuda_graphs is not False
+        self.graphs, self.pool = {}, None
+
+    def drafter(self, drafter, block_size=None):
+        """A Drafter (on the target's device, any dtype) with its own static context cache."""
+        return DraftState(drafter, self.embed, self.lm_head, block_size or drafter.config.block_size, self.max_len)
+
+    # --- the target --------------------------------------------------------------------------------------------------
+
+    def forward(self, ids, start, taps=(), last_only=False):
+        """ids [n] at positions start..start+n-1 (start: [1] long) -> logits [n (1 if last_only), V] float32 and
+        the decoder layers' outputs at `taps` concatenated, [n, K*H] (None without taps; the last layer's after the
+        final norm, as HF's hidden_states and model.target.Target give it). Writes the n tokens' KV."""
+        n, D = ids.shape[0], self.head_dim
+        pos = start + self.positions[:n]                                           # [n]
+        cos, sin = self.cos[pos][None], self.sin[pos][None]                        # [1, n, D]
+        # GQA without repeating the cache: a KV head's `group` query heads are group * n queries of that head
+        mask = (self.positions[None, :] <= pos[:, None]).repeat(self.group, 1)     # [group*n, max_len]
+        x = self.embed(ids)[None]                                                  # [1, n, H]
+        feats = {}
+        for l, (layer, (kc, vc)) in enumerate(zip(self.layers, self.cache)):
+            attn = layer.self_attn
+            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.rope)    # q [1, heads, n, D]
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            q = q.reshape(1, self.n_kv, self.group * n, D)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=attn.scaling)  # [1, kv, g*n, D]
+            x = x + attn.o_proj(o.reshape(1, -1, n, D).transpose(1, 2).reshape(1, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if l in taps:
+                feats[l] = x[0]
+        h = self.decoder.norm(x[0])                                                # [n, H]
+        if self.last_layer in feats:
+            feats[self.last_layer] = h
+        logits = self.lm_head(h[-1:] if last_only else h).float()
+        return logits, torch.cat([feats[l] for l in taps], dim=-1) if taps else None
+
+    def _prefill(self, prompt_ids, taps=()):
+        """Eager forward of the prompt at positions 0..L-1 -> its features [L, K*H] (None without taps); token =
+        the target's first generated token, start = L."""
+        self.start.zero_()
+        logits, feats = self.forward(torch.tensor(prompt_ids, device=self.start.device), self.start, taps,
+                                     last_only=True)
+        self.token.copy_(logits.argmax(-1))
+        self.start.fill_(len(prompt_ids))
+        return feats
+
+    def _check_fits(self, prompt_len, max_new_tokens, block_size=1):
+        # the last step writes up to B - 1 positions past the last token: an index past the cache would fail on the
+        # GPU asynchronously, in a graph, far from its cause
+        need = prompt_len + max_new_tokens + block_size - 1
+        if need > self.max_len:
+            raise ValueError(f"a prompt of {prompt_len} tokens + {max_new_tokens} new tokens + block size "
+                             f"{block_size} - 1 needs {need} cache positions; the decoder has max_len {self.max_len}: "
+                             f"build FastDecoder with a larger max_len")
+
+    # --- the two steps (static shapes, no host sync: graph-safe) -----------------------------------------------------
+
+    def _greedy_step(self):
+        logits, _ = self.forward(self.token, self.start)                          # [1, V]
+        self.token.copy_(logits.argmax(-1))
+        self.start += 1
+
+    def _spec_step(self, d: "DraftState"):
+        pos = self.start + self.positions[:d.B]                                   # [B]
+        draft = d.propose(self.token, pos)                                        # [B-1]
+        logits, feats = self.forward(torch.cat([self.token, draft]), self.start, d.taps)   # [B, V], [B, K*H]
+        post = logits.argmax(-1)                                                  # [B] the target's next tokens
+        a = (draft == post[:-1]).long().cumprod(0).sum(0, keepdim=True)           # [1] accepted drafts
+        d.write(feats, pos)                  # rows past the accepted ones stay >= the next start: never read
+        d.out[:-1].copy_(post)
+        d.out[-1:].copy_(a)
+        self.token.copy_(post.gather(0, a))
+        self.start += a + 1
+
+    def _launch(self, key, step):
+        """Run step() once: replay its CUDA graph (captured by _ready before the decode began), or eagerly."""
+        if self.cuda_graphs:
+            self.graphs[key].replay()
+        else:
+            step()
+
+    def _capture(self, key, step):
+        """The engine's pattern (data/engine.py Engine._capture): warm-up runs on a side stream, then the capture,
+        every graph in one memory pool (they never run concurrently and keep nothing in it between replays). The
+        warm-up runs change the state, so it is called before a decode's prefill, which sets it (see _ready)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(GRAPH_WARMUP):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            step()
+        self.pool = self.pool or g.pool()
+        self.graphs[key] = g
+
+    def _ready(self, key, step):
+        """Capture step's graph if it has none yet: before a decode's prefill, never in the middle of one."""
+        if self.cuda_graphs and key not in self.graphs:
+            self.start.zero_()               # warm-up steps write near position 0, which the prefill then rewrites
+            self._capture(key, step)
+
+    # --- the decode loops --------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids, max_new_tokens, eos) -> list[int]:
+        """Plain greedy decoding (eval_dflash.greedy_decode's tokens): up to max_new_tokens, the first eos included."""
+        self._check_fits(len(prompt_ids), max_new_tokens)
+        self._ready("greedy", self._greedy_step)
+        self._prefill(prompt_ids)
+        out = [int(self.token)]
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            self._launch("greedy", self._greedy_step)
+            out.append(int(self.token))                                           # the one sync per token
+        return out
+
+    @torch.inference_mode()
+    def speculative(self, prompt_ids, d: "DraftState", max_new_tokens, eos) -> dict:
+        """-> {tokens, steps}, as eval_dflash.speculative_decode with block verification: steps = tokens
+        committed per verify step (accepted + the bonus token, cut at the first eos and at max_new_tokens)."""
+        self._check_fits(len(prompt_ids), max_new_tokens, d.B)
+        step = lambda: self._spec_step(d)                                         # noqa: E731
+        self._ready(d, step)
+        feats = self._prefill(prompt_ids, d.taps)                                 # [L, K*H]
+        d.write(feats, self.positions[:len(prompt_ids)])
+        new, steps = [int(self.token)], []
+        while len(new) < max_new_tokens and new[-1] not in eos:
+            self._launch(d, step)
+            *post, a = d.out.tolist()                                             # the one sync per step
+            committed = post[:a + 1]        # the accepted drafts equal the target's argmax ids there, + the bonus
+            cut = next((i + 1 for i, t in enumerate(committed) if t in eos), len(committed))
+            committed = committed[: min(cut, max_new_tokens - len(new))]
+            new += committed
+            steps.append(len(committed))
+        return {"tokens": new, "steps": steps}
+
+
+class DraftState:
+    """A Drafter with a static context cache (what model.drafter.DrafterCache holds, as kv rows [max_len, nkv, D]
+    indexed by position: Drafter.step reads `kv` and `positions`) and the output buffer of its verify step,
+    out [B + 1] = the target's argmax ids of the block, then the accepted count."""
+
+    def __init__(self, drafter, embed, lm_head, block_size, max_len):
+        drafter = getattr(drafter, "_orig_mod", drafter)          # unwrap torch.compile
+        self.drafter = getattr(drafter, "module", drafter)        # unwrap DDP
+        c = self.drafter.config
+        p = next(self.drafter.parameters())
+        self.B, self.taps, self.dtype = block_size, list(c.target_layer_ids), p.dtype
+        self.embed, self.lm_head = embed, lm_head
+        self.kv = [(torch.zeros(max_len, c.num_key_value_heads, c.head_dim, dtype=p.dtype, device=p.device),
+                    torch.zeros(max_len, c.num_key_value_heads, c.head_dim, dtype=p.dtype, device=p.device))
+                   for _ in range(c.num_hidden_layers)]
+        self.positions = torch.arange(max_len, device=p.device)                     # row i holds position i
+        self.masks = torch.full((block_size - 1,), c.mask_token_id, dtype=torch.long, device=p.device)
+        self.out = torch.zeros(block_size + 1, dtype=torch.long, device=p.device)
+
+    def write(self, features, positions):
+        """Context keys/values of features [n, K*H] (the target's, of the tokens at positions [n])."""
+        for (kc, vc), (k, v) in zip(self.kv, self.drafter.context_kv(features.to(self.dtype), positions)):
+            kc.index_copy_(0, positions, k)
+            vc.index_copy_(0, positions, v)
+
+    def propose(self, token, positions):
+        """token [1] at positions[0], positions [B] of the block -> draft ids [B-1] (argmax of slots 1..B-1),
+        given the context rows before the block."""
+        emb = self.embed(torch.cat([token, self.masks])).to(self.dtype)                  # [B, H]
+        h = self.drafter.step(self, emb, positions, ctx_valid=self.positions < positions[0])   # [B, H]
+        return self.lm_head(h[1:].to(self.lm_head.weight.dtype)).argmax(-1)

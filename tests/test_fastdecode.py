@@ -1,0 +1,210 @@
+"""model/fastdecode.py (eval_dflash --method fast) against the HF decode loop it stands in for: its greedy equals
+greedy_decode token for token (tiny Llama and Qwen3, SmolLM2 when present), its speculative loop equals
+speculative_decode in tokens and in tokens committed per step (random drafters, sliding layers, a briefly trained
+drafter that accepts often; eos and max_new_tokens cutting a block), and the CLI's result. CPU, fp32, eager: the
+CUDA-graph path replays these same step functions."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from conftest import SMOLLM2_DIR, TINY
+from eval_dflash import DrafterProposer, encode_prompt, eos_ids, greedy_decode, main, speculative_decode, target_forward
+from model.export import export_drafter
+from model.fastdecode import FastDecoder
+
+B = 4
+MAX_NEW = 40
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+                                                local_files_only=True).eval()
+
+
+def random_prompts(vocab, lengths=(1, 5, 13, 30), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def vocab8(tmp_path_factory):
+    """A tiny random Qwen3 with 8 tokens: a random drafter then guesses right now and then."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("fast_vocab8")
+    Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 8}, tie_word_embeddings=False)).save_pretrained(path)
+    return path, load(path)
+
+
+def train_briefly(drafter, model, prompts, steps=20):
+    """A few Adam steps of the drafter's training forward (every generated position an anchor, CE on slots
+    1..B-1) on the target's own greedy continuations: enough to accept 0..B-1 drafts, not to accept everything."""
+    proposer = DrafterProposer(drafter, model)
+    data = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor(p + greedy_decode(model, p, MAX_NEW, set()))                     # [L]
+            _, feats = target_forward(model, ids, torch.arange(len(ids)), DynamicCache(), proposer.layer_ids)
+            data.append((ids, feats, len(p)))
+    k, opt = torch.arange(B), torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = 0
+        for ids, feats, P in data:
+            L = len(ids)
+            anchors = torch.arange(P, L - 1)                                                     # [N]
+            block = torch.where(k[None] == 0, ids[anchors][:, None], drafter.config.mask_token_id)   # [N, B]
+            zeros = torch.zeros(L, dtype=torch.long)
+            h = drafter(feats, torch.arange(L), proposer.embed(block.flatten()), (anchors[:, None] + k).flatten(),
+                        drafter.attn_spec(anchors, zeros[:len(anchors)], zeros))                 # [N*B, H]
+            idx = anchors[:, None] + k[1:]                                                       # [N, B-1]
+            logits = proposer.lm_head(h.view(len(anchors), B, -1)[:, 1:])                        # [N, B-1, V]
+            loss = loss + F.cross_entropy(logits[idx < L], ids[idx[idx < L]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_qwen3_dir, build_drafter):
+    model = load(tiny_qwen3_dir)
+    prompts = random_prompts(128, (3, 11, 26, 7))
+    return model, train_briefly(build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B), model, prompts), prompts
+
+
+def same_as_decode(model, drafter, prompts, max_new=MAX_NEW, eos=frozenset()):
+    """Runs both loops on every prompt, asserts tokens and steps equal -> the steps."""
+    fast = FastDecoder(model, max(map(len, prompts)) + max_new + B - 1)
+    proposer, state = DrafterProposer(drafter, model), fast.drafter(drafter, B)
+    steps = []
+    for p in prompts:
+        want = speculative_decode(model, p, proposer, B, max_new, eos)
+        got = fast.speculative(p, state, max_new, eos)
+        assert got == want, (p, got, want)
+        steps.append(want["steps"])
+    return steps
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fast_greedy_equals_greedy_decode(family, tiny_llama_dir, tiny_qwen3_dir):
+    model = load({"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[family])
+    prompts = random_prompts(128)
+    fast = FastDecoder(model, 30 + 24)
+    free = [greedy_decode(model, p, 24, set()) for p in prompts]
+    i = next(i for i in range(3, 24) if free[3][i] not in free[3][:i])
+    eos = {free[3][i]}                                         # stops prompt 3 after i + 1 tokens
+    for p, want_free in zip(prompts, free):
+        assert fast.greedy(p, 24, set()) == want_free
+        assert fast.greedy(p, 24, eos) == greedy_decode(model, p, 24, eos)
+    assert fast.greedy(prompts[3], 24, eos) == free[3][:i + 1]
+    assert fast.greedy(prompts[3], 1, set()) == free[3][:1]    # done after the prefill
+
+
+def test_fast_greedy_equals_greedy_decode_on_smollm2():
+    if not (SMOLLM2_DIR / "model.safetensors").exists():
+        pytest.skip(f"no SmolLM2 folder at {SMOLLM2_DIR}: build it with `.venv/bin/python -m tools.smollm2`")
+    from transformers import AutoTokenizer
+    model, tok = load(SMOLLM2_DIR), AutoTokenizer.from_pretrained(SMOLLM2_DIR, local_files_only=True)
+    eos = eos_ids(model, tok)
+    prompts = [encode_prompt(tok, {"prompt": q}) for q in ("What is AI?", "Name three colors.")]
+    fast = FastDecoder(model, max(map(len, prompts)) + 12)
+    for p in prompts:
+        assert fast.greedy(p, 12, eos) == greedy_decode(model, p, 12, eos)
+
+
+@pytest.mark.parametrize("sliding", [0, 1])
+def test_fast_speculative_equals_decode_with_random_drafters(vocab8, build_drafter, sliding):
+    path, model = vocab8
+    prompts = random_prompts(8, (3, 11, 26), seed=2)
+    steps = []
+    for seed in (0, 1):
+        d = build_drafter(path, num_layers=2, block_size=B, seed=seed, sliding_window_layers=sliding,
+                          sliding_window=6 if sliding else None).eval()
+        steps += same_as_decode(model, d, prompts)
+    assert max(s for row in steps for s in row) > 1             # some drafts accepted
+
+
+def test_fast_speculative_equals_decode_on_llama(tiny_llama_dir, build_drafter):
+    same_as_decode(load(tiny_llama_dir), build_drafter(tiny_llama_dir, num_layers=1, block_size=B).eval(),
+                   random_prompts(128))
+
+
+def test_fast_speculative_equals_decode_with_a_trained_drafter(trained):
+    model, drafter, prompts = trained
+    steps = same_as_decode(model, drafter, prompts + random_prompts(128, (9, 17), seed=3))
+    assert set(s for row in steps for s in row) == set(range(1, B + 1))   # every accepted length occurs
+
+
+def test_eos_and_max_new_tokens_cut_a_block(trained):
+    model, drafter, prompts = trained
+    p = prompts[1]
+    free = same_as_decode(model, drafter, [p])[0]
+    new = speculative_decode(model, p, DrafterProposer(drafter, model), B, MAX_NEW, set())["tokens"]
+    starts = [1 + sum(free[:i]) for i in range(len(free))]     # index in `new` of each step's first token
+    # a step of >= 2 tokens whose first token is new so far: as eos it ends that step after one token
+    i = next(i for i, (s, n) in enumerate(zip(starts, free)) if n >= 2 and new[s] not in new[:s])
+    cut = same_as_decode(model, drafter, [p], eos={new[starts[i]]})[0]
+    assert cut == free[:i] + [1]
+    j = next(j for j, n in enumerate(free) if n >= 3)
+    cut = same_as_decode(model, drafter, [p], max_new=starts[j] + 2)[0]
+    assert cut == free[:j] + [2]
+
+
+def test_too_small_a_cache_is_refused(trained):
+    model, drafter, prompts = trained
+    fast = FastDecoder(model, 40)
+    with pytest.raises(ValueError, match=r"a prompt of 26 tokens \+ 12 new tokens \+ block size 4 - 1 needs 41"):
+        fast.speculative(prompts[2], fast.drafter(drafter, B), 12, set())
+    assert len(fast.greedy(prompts[2], 12, set())) == 12          # greedy writes no block past the last token
+
+
+def test_cli_fast(tiny_qwen3_dir, trained, tmp_path, capsys):
+    """--method fast writes tau, speedup and what it was measured on; its tau and steps equal --method decode's."""
+    model, drafter, prompts = trained
+    export_drafter(drafter, tmp_path / "d")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n"
+                                              for i, p in enumerate(prompts)))
+    args = ["--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p.jsonl"),
+            "--device", "cpu", "--max-new-tokens", "24", "--limit", "3"]
+    fast = main(args + ["--method", "fast", "--out", str(tmp_path / "fast.json")])
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "fast.json").read_text()) == json.loads(json.dumps(fast))
+    assert fast["measured_on"] == {"device": "cpu", "device_name": f"cpu ({torch.get_num_threads()} threads)",
+                                   "dtype": "float32", "drafter_dtype": "float32", "method": "fast",
+                                   "cuda_graphs": False}
+    assert fast["speedup"] == fast["tokens_per_s"]["dflash"] / fast["tokens_per_s"]["greedy"] > 0
+    assert fast["lossless"] and fast["prompts"] == 3 and fast["tau"] > 1
+    assert "(cpu, target float32, drafter float32, fast loop, eager): greedy" in out
+    decode = main(args)
+    assert decode["tau"] == fast["tau"] and decode["accept_hist"] == fast["accept_hist"]
+    assert [r["steps"] for r in decode["per_prompt"]] == [r["steps"] for r in fast["per_prompt"]]
+    with pytest.raises(SystemExit, match="the fast loop verifies blocks only"):
+        main(args + ["--method", "fast", "--tree-budget", "4"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
+def test_cuda_graphs_equal_eager_and_the_decode_loop(trained):
+    """On a GPU, fp32: graph replays give the eager steps' tokens and steps, and the HF decode loop's; two drafters
+    (two graphs sharing the greedy graph's pool) and prompts of several lengths through one decoder."""
+    import copy
+    model, drafter, prompts = trained
+    model, drafters = copy.deepcopy(model).cuda(), [copy.deepcopy(drafter).cuda() for _ in range(2)]
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in drafters[1].parameters():                  # a second, different drafter for the same target
+            p += 0.01 * torch.randn_like(p)
+    prompts = prompts + random_prompts(128, (9, 17), seed=3)
+    n = max(map(len, prompts)) + MAX_NEW + B - 1
+    graphs, eager = FastDecoder(model, n), FastDecoder(model, n, cuda_graphs=False)
+    assert graphs.cuda_graphs and not eager.cuda_graphs
+    for d in drafters:
+        proposer, sg, se = DrafterProposer(d, model), graphs.drafter(d, B), eager.drafter(d, B)
+        for p in prompts:
+            want = speculative_decode(model, p, proposer, B, MAX_NEW, set())
+            assert graphs.speculative(p, sg, MAX_NEW, set()) == eager.speculative(p, se, MAX_NEW, set()) == want
+            assert graphs.greedy(p, MAX_NEW, set()) == eager.greedy(p, MAX_NEW, set()) == greedy_decode(
+                model, p, MAX_NEW, set())
+    assert len(graphs.graphs) == 3                          # greedy + one per drafter
