@@ -136,7 +136,7 @@ part_eval() {
     best=$($PY -c "import json,sys; r=json.load(open('$OUT/eval_walk.json')); r=r.get('drafters',[r]); print(max(r,key=lambda x:x['tau'])['drafter'])")
     say "best by walk tau: $best"
     [ "${DECODE:-1}" = 1 ] || return 0
-    local method=(); $PY eval_dflash.py --help | grep -q "fast" && method=(--method fast)
+    local method=(); $PY eval_dflash.py --help | grep -q -- "--method {[a-z,]*fast" && method=(--method fast)
     for dt in float32 bfloat16; do
         $PY eval_dflash.py "${method[@]}" --target "$SMOL" --drafter "$best" --prompts data/default/eval_prompts.jsonl \
             --limit "${DECODE_LIMIT:-24}" --max-new-tokens "$EVAL_NEW" --dtype $dt --device "$DEV" --skip-long \
