@@ -22,13 +22,19 @@ export WORK
 JOB=$WORK/job
 mkdir -p "$JOB" "$WORK/out"
 
-if [ "${1:-}" = start ]; then
+if [ "${1:-}" = start ]; then      # STAGES="train eval" bash bench/pipeline_h200.sh start: restart from a stage
     rm -rf "$WORK/repo" "$JOB/done"
     cp -a . "$WORK/repo"
     echo "$PWD" > "$JOB/live_tree"
-    setsid nohup bash "$WORK/repo/bench/pipeline_h200.sh" run > "$JOB/log" 2>&1 < /dev/null &
-    echo "pipeline started (pid $!), log $JOB/log"
-    sleep 20; tail -5 "$JOB/log"
+    setsid nohup bash "$WORK/repo/bench/pipeline_h200.sh" run >> "$JOB/log" 2>&1 < /dev/null &
+    echo $! > "$JOB/pid"
+    echo "pipeline started (pid $!, stages ${STAGES:-all}), log $JOB/log"
+    sleep "${START_WAIT:-20}"; tail -5 "$JOB/log"
+    exit 0
+fi
+
+if [ "${1:-}" = stop ]; then
+    kill -- -"$(cat "$JOB/pid")" 2>/dev/null && echo "pipeline stopped" || echo "no pipeline running"
     exit 0
 fi
 
@@ -44,8 +50,13 @@ if [ "${1:-}" = poll ]; then
 fi
 
 # --- the job (run from the snapshot) ---------------------------------------------------------------------------
+STAGES=${STAGES:-ab gen fp8prep train eval}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
-DEADLINE=${DEADLINE:-1440}
+DEADLINE=${DEADLINE:-1400}
+# the runs' schedule (cosine to 0 over STEPS) must end inside the train stage's time: a run cut by TRAIN_SECONDS
+# is evaluated mid-schedule. 1,600 steps: seven SmolLM2 runs sharing one H200 at an estimated ~6 steps/s each
+export STEPS=${STEPS:-1600} SAVE_EVERY=${SAVE_EVERY:-200} FP8_SECONDS=${FP8_SECONDS:-240}
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 say() { echo "[pipeline $(( $(date +%s) - T0 ))s] $*"; }
 stage() { echo "$1" > "$JOB/stage"; say "stage $1 ($(left) s left)"; }
@@ -57,6 +68,8 @@ Q() { PART="$1" bash bench/quality_h200.sh; }
 AB=(--slots 1024 --prompts 2048 --new 256); AB2=(--slots 2048 --prompts 4096 --new 256)
 [ "${SMOKE:-0}" = 1 ] && AB=(--slots 4 --prompts 8 --new 8 --device cpu) && AB2=(--slots 8 --prompts 8 --new 8 --device cpu)
 
+ATTN=${ATTN:-sdpa} SLOTS=${SLOTS:-1024}
+if want ab; then
 stage ab
 $PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention sdpa,matmul \
     --temperature 0.6 2>&1 | grep -v Loading | tee "$OUT/engine_ab.txt"
@@ -68,30 +81,42 @@ $PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" \
     --temperature 0.6 2>&1 | grep -v Loading | tee -a "$OUT/engine_ab.txt"
 read -r _ SLOTS <<< "$(rate "$ATTN")"
 SLOTS=${SLOTS:-1024}
+fi
+export ATTN SLOTS
 say "engine: attention $ATTN, $SLOTS slots"
 
+if want gen; then
 stage gen
 tests_pid=
 [ "${SMOKE:-0}" = 1 ] || { ( ONLY=tests bash bench/throughput_h200.sh "$OUT/gpu" > "$OUT/gpu_tests.txt" 2>&1 ) & tests_pid=$!; }
-GEN_SECONDS=${GEN_SECONDS:-600} SLOTS=$SLOTS ATTN=$ATTN Q gen
+export GEN_SECONDS=${GEN_SECONDS:-600}
+Q gen
+head -n 200 "$WORK/gen/smollm2.jsonl" > "$OUT/gen_sample.jsonl"
 [ -n "$tests_pid" ] && wait $tests_pid && tail -4 "$OUT/gpu_tests.txt"
+fi
 
+if want fp8prep; then
 stage "fp8+prep"
 fp8_pid=
 [ "${SMOKE:-0}" = 1 ] || { ( $PY -m bench.fp8_h200 --budget-s "${FP8_SECONDS:-200}" --json "$OUT/fp8.json" \
     > "$OUT/fp8.txt" 2>&1 ) & fp8_pid=$!; }
 Q prep
 [ -n "$fp8_pid" ] && wait $fp8_pid && grep -v "Loading" "$OUT/fp8.txt" | tail -25
+fi
 
+if want train; then
 stage train
-EVAL_RESERVE=${EVAL_RESERVE:-150}
-TRAIN_SECONDS=$(( $(left) - EVAL_RESERVE )) Q train
+export TRAIN_SECONDS=$(( $(left) - ${EVAL_RESERVE:-150} ))
+Q train
+fi
 
+if want eval; then
 stage eval
 live=$(cat "$JOB/live_tree")
 rm -rf "$WORK/repo_eval" && cp -a "$live" "$WORK/repo_eval" && cd "$WORK/repo_eval"
 EQUAL_STEPS=1 Q eval
 cd - > /dev/null
+fi
 stage done
 say "pipeline done"
 touch "$JOB/done"
