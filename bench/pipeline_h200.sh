@@ -53,7 +53,7 @@ fi
 STAGES=${STAGES:-ab gen fp8prep train eval}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
-DEADLINE=${DEADLINE:-1400}
+DEADLINE=${DEADLINE:-1350}
 # the runs' schedule (cosine to 0 over STEPS) must end inside the train stage's time: a run cut by TRAIN_SECONDS
 # is evaluated mid-schedule. 1,600 steps: seven SmolLM2 runs sharing one H200 at an estimated ~6 steps/s each
 export STEPS=${STEPS:-1600} SAVE_EVERY=${SAVE_EVERY:-200} FP8_SECONDS=${FP8_SECONDS:-240}
