@@ -1154,8 +1154,8 @@ def status_line(run, meter, params, lr, now):
         dpace = f" dpace={row['objective']:.3f}" if LOSS_WEIGHTING == "dpace" else ""
         log(f"[{(now - meter.t_start) / 60:.0f}m] step={step}/{run.total_steps} loss={row['loss']:.3f}{dpace} "
             f"acc={row['acc']:.3f} streak={row['streak']:.2f}{tau} lr={lr:.1e} noise={noise_std:.3f} | "
-            f"tgt={tgt_rate:.2f}b/s dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | q_pre={fmt_q_pre(q_pre, d.shards)} "
-            f"q_hs={q_hs} | "
+            f"tgt={tgt_rate:.2f}b/s dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | "
+            f"q_pre={fmt_q_pre(q_pre, d.shards)} q_hs={q_hs} | "
             f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")
     meter.t_log, meter.step_at_log, meter.tokens, meter.micro_batches = now, step, 0, 0
 

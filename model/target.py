@@ -25,8 +25,9 @@ class Target:
     concatenated, [b, S, K*H], equal to HF's output_hidden_states[l + 1]: the last decoder layer's entry there is
     after the final norm, so a tap of the last layer is normed too (what eval_dflash and serving read).
     shard_group: the process group of this rank's target replica (TARGET_SHARDS ranks): the model is then built by
-    load_sharded, each rank holding 1/N of the weights of layers 0..max(layer_ids), and every rank of the group must
-    call features() equally often (pipe.Replica sees to it); there is no lm_head then (the drafter ranks load theirs)."""
+    load_sharded, each rank holding 1/N of the weights of layers 0..max(layer_ids), and every rank of the group
+    must call features() equally often (pipe.Replica sees to it); there is no lm_head then (the drafter ranks load
+    theirs)."""
 
     def __init__(self, path, device="cpu", dtype=torch.bfloat16, layer_ids=None, shard_group=None):
         path = Path(path).expanduser()

@@ -118,7 +118,8 @@ def test_sigterm_then_resume_of_a_sharded_job_matches_the_unsharded_run(assets, 
 
 
 def test_kill9_of_a_shard_rank_ends_the_job_naming_it(assets, tmp_path, monkeypatch):
-    """Rank 1 dies while rank 0, its replica's other shard, waits on it in an all-gather (or the replica's agreement)."""
+    """Rank 1 dies while rank 0, its replica's other shard, waits on it in an all-gather (or the replica's
+    agreement)."""
     set_faults(monkeypatch, SLOW_FORWARD=0.5)
     job = Job(args(assets, tmp_path / "run", TARGET_RANKS=2, TARGET_SHARDS=2, MAX_STEPS=0, EPOCHS=2))
     try:
@@ -138,7 +139,8 @@ def test_kill9_of_a_shard_rank_ends_the_job_naming_it(assets, tmp_path, monkeypa
 @pytest.mark.parametrize("world,settings,message", [
     (4, dict(TARGET_RANKS=3, TARGET_SHARDS=2), "TARGET_RANKS=3 is not a multiple of TARGET_SHARDS=2"),
     (1, dict(TARGET_SHARDS=2), "TARGET_SHARDS=2 needs a torchrun job"),
-    (3, dict(TARGET_RANKS=2, TARGET_SHARDS=2, COMPILE_TARGET=True), "COMPILE_TARGET does not work with TARGET_SHARDS=2"),
+    (3, dict(TARGET_RANKS=2, TARGET_SHARDS=2, COMPILE_TARGET=True),
+     "COMPILE_TARGET does not work with TARGET_SHARDS=2"),
     (3, dict(TARGET_RANKS=2, TARGET_SHARDS=2, TARGET_FP8=True), "TARGET_FP8 does not work with TARGET_SHARDS=2"),
     (3, dict(TARGET_SHARDS=0), "TARGET_SHARDS=0 must be >= 1"),
 ])
@@ -211,3 +213,34 @@ def test_recommended_split_keeps_whole_replicas():
     assert planner.recommend_split(1.0, 3.0, 8, shards=4) == (4, 4)    # 6 target ranks are no whole 4-rank replicas
     with pytest.raises(ValueError, match="TARGET_SHARDS=4"):
         planner.recommend_split(1.0, 1.0, 4, shards=4)
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_load_sharded_equals_the_whole_target(tiny_qwen3_dir, tmp_path, weights):
+    """load_sharded on a one-rank group against Target's from_pretrained (an untied Qwen3: q/k norms, the last
+    layer tapped), reading rows from the safetensors files or, for weights it cannot read by name (here a .bin),
+    through the whole model on the CPU. The row split over 2 ranks is the torchrun test's."""
+    import torch.distributed as dist
+    from model.target import Target
+    folder = tiny_qwen3_dir
+    if weights == "bin":
+        import shutil
+        from safetensors.torch import load_file
+        folder = tmp_path / "bin"
+        folder.mkdir()
+        shutil.copy(tiny_qwen3_dir / "config.json", folder)
+        torch.save(load_file(tiny_qwen3_dir / "model.safetensors"), folder / "pytorch_model.bin")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{runs.free_port()}", rank=0, world_size=1)
+    try:
+        sharded = Target(folder, "cpu", torch.float32, [1, 5], shard_group=dist.new_group([0]))
+        assert len(sharded.decoder.layers) == 6 and sharded.lm_head_weight is None
+        whole = Target(tiny_qwen3_dir, "cpu", torch.float32, [1, 5])
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+        attn = torch.ones(2, 9, dtype=torch.long)
+        attn[1, 5:] = 0
+        torch.testing.assert_close(sharded.features(ids, attn), whole.features(ids, attn), rtol=0, atol=0)
+        short = Target(folder, "cpu", torch.float32, [0, 2], shard_group=dist.new_group([0]))
+        assert len(short.decoder.layers) == 3, "layers past the last tap are never built"
+        torch.testing.assert_close(short.features(ids, attn), whole.features(ids, attn, [0, 2]), rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
