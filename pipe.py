@@ -11,6 +11,7 @@ CPU). Both ends walk their micro-batches in increasing global index `g`, so bloc
 """
 import collections
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -133,11 +134,32 @@ class StopPoint:
         return self.g
 
 
-def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=None, stats=None):
+class Replica:
+    """The target ranks that share one sharded target (TARGET_SHARDS, model.target.load_sharded): FSDP all-gathers
+    each layer's weights inside every forward, so all of them must run the same number of forwards or the last one
+    waits forever. Each rank still forwards its own micro-batches; before its k-th forward the replica agrees on
+    the stop point (the smallest any of them has read: a stop published between two ranks' reads cannot split
+    them), and a rank whose k-th micro-batch is past it while a peer's is not runs a one-token forward with them.
+    member_gs: the g's each member makes, in order (Schedule.target_gs of each rank), the same list on every rank."""
+
+    def __init__(self, group, member_gs, index):
+        self.group, self.member_gs, self.index = group, list(member_gs), index
+
+    def agree(self, k, stop_g):
+        """-> (the agreed stop point, whether another member's k-th micro-batch comes before it)."""
+        t = torch.tensor([stop_g], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        stop_g = int(t)
+        peers = any(k < len(gs) and gs[k] < stop_g for i, gs in enumerate(self.member_gs) if i != self.index)
+        return stop_g, peers
+
+
+def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=None, stats=None, replica=None):
     """Target side: yields the Packets of micro-batches `gs` (in order). data.batch(g) pads them on a prefetch thread
     (q_pre, `depth` ahead; pinned on a GPU), the target forward runs on the calling thread. Stops before the g
     `stop()` names. The q_pre depth goes to stats["q"] (the watchdog's, published to the master, or the given dict);
-    `clock` (a BusyClock) times the forwards."""
+    `clock` (a BusyClock) times the forwards. replica (a Replica): the target is sharded, forwards are kept in step
+    with the replica's other ranks."""
     stats = watchdog.stats if watchdog else stats
     q_pre = queue.Queue(maxsize=depth)
 
@@ -154,15 +176,25 @@ def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=Non
                 watchdog.fail(f"prefetch thread: {type(e).__name__}: {e}", traceback.format_exc())
             q_pre.put(e)   # the one-process mode has no watchdog: its feeder thread raises it on
     threading.Thread(target=prefetch, daemon=True, name="prefetch").start()
-    while True:
-        item = q_pre.get()
-        if item is None:
-            return
+    done = False                                                          # this rank's g's are all made
+    for k in itertools.count():
+        item = None if done else q_pre.get()
         if isinstance(item, BaseException):
             raise RuntimeError(f"prefetch thread: {type(item).__name__}: {item}") from item
+        stop_g = stop() if stop is not None else None
+        peers = False
+        if replica is not None:
+            stop_g, peers = replica.agree(k, stop_g)
+        done = item is None or (stop_g is not None and item[0] >= stop_g)
+        if done:
+            if not peers:
+                return
+            if watchdog:
+                watchdog.state = f"one-token forward {k} with the replica's other ranks (none left here)"
+            one = torch.ones(1, 1, dtype=torch.long)
+            target_features(target, one, one, device)
+            continue
         g, ids, mask, attn, lens = item
-        if stop is not None and g >= stop():
-            return
         if watchdog:
             watchdog.state = f"target forward g={g}"
         if stats is not None:
@@ -358,20 +390,22 @@ class Watchdog(threading.Thread):
         self._exit(msg, detail)
 
     def _culprit(self, wait: float) -> str:
-        """A rank on this host whose process is gone, or the reason another rank already published, looked for
-        during up to `wait` s (its watchdog may be a beat away from naming a death on its own host)."""
+        """The reason another rank already published, or a rank on this host whose process is gone, looked for
+        during up to `wait` s (its watchdog may be a beat away from naming a death on its own host). The published
+        reason first: a rank that named a death and exited is gone too by now (the other shard of a sharded
+        target replica, whose all-gather failed), and is not the cause."""
         end = time.monotonic() + wait
         host = socket.gethostname()
         while True:
             try:
-                self._load_peers()
-                for r, (h, pid) in self._peers.items():
-                    if h == host and not _pid_alive(pid):
-                        return f"{self.who(r)} died (process {pid} is gone: killed, crashed or out of memory)"
                 if self.store.check(["abort"]):
                     published = self.store.get("abort").decode()
                     if published:
                         return published
+                self._load_peers()
+                for r, (h, pid) in self._peers.items():
+                    if h == host and not _pid_alive(pid):
+                        return f"{self.who(r)} died (process {pid} is gone: killed, crashed or out of memory)"
             except Exception:  # noqa: BLE001 - the store is gone: report our own reason
                 return ""
             if time.monotonic() >= end:

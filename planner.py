@@ -25,6 +25,9 @@ TGT_FWD_H = 4.0            # [tokens, H] bf16 buffers alive at the forward's pea
 TGT_FWD_I = 3.0            # [tokens, I] bf16 buffers at the MLP's peak (act(gate), up, their product)
 TGT_TAP_COPIES = 2.0       # [tokens, K*H] copies after the forward (the K taps + concat, then concat + packed)
 TGT_KEEPS_UNUSED = True    # model.target.Target loads the whole model: layers past the last tap + lm_head stay resident
+#                             (unsharded; a sharded target, TARGET_SHARDS > 1, never loads them)
+TGT_FSDP_PREFETCH = 1.0    # TARGET_SHARDS > 1: layer-sized all-gather outputs alive beside the running FSDP unit's
+#                             whole parameters (the embedding or a layer): the next layer's, prefetched under it
 # drafter role: bytes autograd keeps per row, in units of the named width (bf16 autocast, fp32 norms/RoPE as coded)
 DFT_BLOCK_PER_H = 14.0     # per block token per layer, x H: input norm bf16, q_proj cast, post norm fp32+bf16, gate+up
 DFT_BLOCK_RES_PER_H = 4.0  # layers >= 1 also keep their input's fp32 copy (layer 0's input is the frozen embedding)
@@ -128,15 +131,27 @@ def _term(name, short, nbytes, phases, knob=None):
 
 
 def _target_terms(s, d, prefix=""):
-    T, K, last = d["tokens"], d["K"], d["last_layer"]
+    T, K, last, N = d["tokens"], d["K"], d["last_layer"], d["shards"]
     fwd, cat = prefix + "forward", prefix + "concat"
-    used = s.V * s.H + (last + 1) * target_layer_params(s)
-    unused = (s.n_layers - last - 1) * target_layer_params(s) + s.H + (0 if s.tied else s.V * s.H)
-    terms = [
-        _term(f"target weights: embedding + layers 0..{last} (bf16)", "target weights", used * BF16, "static"),
-        _term(f"target weights the features never use: layers {last + 1}..{s.n_layers - 1}, final norm, lm_head "
-              f"(model.target.Target keeps the whole model)", "unused target weights",
-              unused * BF16 * TGT_KEEPS_UNUSED, "static"),
+    layer = target_layer_params(s)
+    used = s.V * s.H + (last + 1) * layer
+    unused = (s.n_layers - last - 1) * layer + s.H + (0 if s.tied else s.V * s.H)
+    if N > 1:   # model.target.load_sharded: 1/N of what runs, FSDP2 all-gathers one unit at a time, nothing else
+        terms = [
+            _term(f"target weights: 1/{N} of embedding + layers 0..{last} (bf16, TARGET_SHARDS={N})",
+                  "target shard", used * BF16 / N, "static"),
+            _term(f"all-gathered: the running unit (embedding or a layer, whole) + {TGT_FSDP_PREFETCH:g} x the next "
+                  f"layer's all-gather (prefetch), bf16", "all-gathered",
+                  (max(layer, s.V * s.H) + TGT_FSDP_PREFETCH * layer) * BF16, (fwd,)),
+        ]
+    else:
+        terms = [
+            _term(f"target weights: embedding + layers 0..{last} (bf16)", "target weights", used * BF16, "static"),
+            _term(f"target weights the features never use: layers {last + 1}..{s.n_layers - 1}, final norm, lm_head "
+                  f"(model.target.Target keeps the whole model)", "unused target weights",
+                  unused * BF16 * TGT_KEEPS_UNUSED, "static"),
+        ]
+    terms += [
         _term(f"forward buffers: {TGT_FWD_H:g} x [{T}, {s.H}] + {TGT_FWD_I:g} x [{T}, {s.I}] bf16 (TOKEN_BUDGET)",
               "forward", T * (TGT_FWD_H * s.H + TGT_FWD_I * s.I) * BF16, (fwd,), "TOKEN_BUDGET"),
         _term(f"taps kept while the last tapped layer runs: {K - 1} x [{T}, {s.H}] bf16", "taps so far",
@@ -241,6 +256,7 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
              # unchunked fp32 reference)
              fused_ce=dtype != "float32" and bool(cfg["CE_CHUNK"]),
              inflight=0 if colocated else cfg["SEND_DEPTH"] + 1,
+             shards=1 if colocated else cfg.get("TARGET_SHARDS", 1),
              # one process: the feeder's queue holds Q_HS prepared micro-batches too, full when the target outpaces
              # the drafter (many anchors per token)
              queue_items=cfg["Q_HS"] + DFT_QUEUE_EXTRA)
@@ -305,6 +321,14 @@ def _all_knobs_fitting(role_name, knobs, inputs, usable):
     return {k: v for k, v in scaled(good).items() if v < cfg[k] or (k == "CE_CHUNK" and cfg[k] == 0)}
 
 
+def _shards_fitting(inputs, usable):
+    """The fewest ranks per target replica (TARGET_SHARDS, at most world - 1: one GPU trains) at which the target
+    role fits, or None."""
+    cfg, hf, world = inputs
+    return next((n for n in range(max(2, cfg.get("TARGET_SHARDS", 1) + 1), world)
+                 if estimate_role(cfg, hf, world, "target", {"TARGET_SHARDS": n}) <= usable), None)
+
+
 def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
     """One error line per role whose peak does not fit `gpu_mem` bytes, naming the settings that would fix it."""
     errors = []
@@ -312,6 +336,10 @@ def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
     cfg, hf, world = estimate["_inputs"]
     if world > 1 and not 1 <= cfg["TARGET_RANKS"] < world:
         errors.append(f"TARGET_RANKS={cfg['TARGET_RANKS']} must be between 1 and {world - 1} on {world} GPUs")
+        return errors
+    shards = cfg.get("TARGET_SHARDS", 1)
+    if world > 1 and cfg["TARGET_RANKS"] % shards:
+        errors.append(f"TARGET_RANKS={cfg['TARGET_RANKS']} must be a multiple of TARGET_SHARDS={shards}")
         return errors
     for name, r in estimate["roles"].items():
         if r["total"] <= usable:
@@ -329,14 +357,21 @@ def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
             v = _largest_fitting(k, name, estimate["_inputs"], usable)
             if v is not None:
                 now = cfg[k] if cfg[k] or k != "CE_CHUNK" else "0 (unchunked)"
-                fixes.append(f"{k} (now {now}) to <= {v}")
+                fixes.append(f"lower {k} (now {now}) to <= {v}")
         if estimate["colocated"]:
             fixes.append("run on 2+ GPUs (TARGET_RANKS puts target and drafter on separate GPUs)")
+        n = _shards_fitting(estimate["_inputs"], usable) if name == "target" else None
+        if n:   # the target does not fit one GPU: spread each replica over n of them
+            ranks = -(-cfg["TARGET_RANKS"] // n) * n
+            fixes.insert(0, f"raise TARGET_SHARDS (now {shards}) to {n}, each replica of the target spread over {n} "
+                            f"GPUs (TARGET_RANKS a multiple of it: {ranks if ranks < world else n}; on several nodes "
+                            f"keep a replica inside one)")
+            floor = min(floor, usable)
         if floor > usable and not estimate["colocated"]:
             errors.append(f"{head}: even at the smallest {', '.join(knobs)} it needs {floor / GiB:.1f} GiB (weights, "
                           f"optimizer state, gradients), so no setting fixes it: a GPU with more memory is needed{why}")
         elif fixes:
-            errors.append(f"{head}: lower " + ", or ".join(fixes) + why)
+            errors.append(f"{head}: " + ", or ".join(fixes) + why)
         else:
             together = _all_knobs_fitting(name, knobs, estimate["_inputs"], usable)
             fix = ", ".join(f"{k} (now {cfg[k]}) to <= {v}" for k, v in together.items())
@@ -349,12 +384,15 @@ def split_rate(t, d, target_tok_s, drafter_tok_s):
     return min(t * target_tok_s, d * drafter_tok_s)
 
 
-def recommend_split(target_tok_s: float, drafter_tok_s: float, n_gpus: int) -> tuple[int, int]:
-    """(targets, drafters), t + d = n_gpus, both >= 1, maximising min(t * target rate, d * drafter rate) (the same as
-    minimising the slower side's time per token); ties go to fewer target ranks."""
-    if n_gpus < 2:
-        raise ValueError(f"a split needs >= 2 GPUs, got {n_gpus}; one GPU runs target and drafter colocated")
-    best = max(range(1, n_gpus), key=lambda t: (split_rate(t, n_gpus - t, target_tok_s, drafter_tok_s), -t))
+def recommend_split(target_tok_s: float, drafter_tok_s: float, n_gpus: int, shards: int = 1) -> tuple[int, int]:
+    """(targets, drafters), t + d = n_gpus, both >= 1, t a multiple of `shards` (TARGET_SHARDS: each rank of a sharded
+    replica still forwards its own micro-batches, so the target rate stays per GPU), maximising min(t * target rate,
+    d * drafter rate) (the same as minimising the slower side's time per token); ties go to fewer target ranks."""
+    if n_gpus < shards + 1:
+        raise ValueError(f"a split needs >= {shards + 1} GPUs (TARGET_SHARDS={shards} + a drafter), got {n_gpus}; "
+                         f"one GPU runs target and drafter colocated")
+    best = max(range(shards, n_gpus, shards),
+               key=lambda t: (split_rate(t, n_gpus - t, target_tok_s, drafter_tok_s), -t))
     return best, n_gpus - best
 
 
@@ -387,7 +425,7 @@ def format_plan(estimate: dict, gpu_mem_bytes=None, rates=None, n_gpus=None) -> 
         n = n_gpus or estimate["world_gpus"]
         rt, rd = rates
         if n >= 2:
-            t, d = recommend_split(rt, rd, n)
+            t, d = recommend_split(rt, rd, n, estimate["derived"]["shards"])
             lines.append(f"split for {n} GPUs at target {_k(rt)} tok/s, drafter {_k(rd)} tok/s per GPU: {t} target : "
                          f"{d} drafter => {_k(split_rate(t, d, rt, rd))} tok/s (targets {_k(t * rt)}, drafters "
                          f"{_k(d * rd)})" + ("" if (t, d) == tuple(estimate["split"]) or estimate["colocated"]

@@ -41,7 +41,7 @@ from model.export import export_drafter
 from model.objective import block_metrics, dpace_reweight, micro_seed, prepare, weighted_ce
 from model.target import (DEFAULT_TARGET, Target, check_mask_token_id, default_mask_token_id, load_frozen_io)
 from optim import make_optimizer, scale_clip_
-from pipe import BusyClock, Prefetcher, Sender, StopPoint, Watchdog, produce, receive
+from pipe import BusyClock, Prefetcher, Replica, Sender, StopPoint, Watchdog, produce, receive
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 
@@ -84,6 +84,7 @@ MAX_STEPS = 0               # optimizer steps of the run; 0 = EPOCHS over the da
 
 # --- topology and hardware --------------------------------------------------------------------------------------------
 TARGET_RANKS = 1            # the first TARGET_RANKS ranks run the target, the rest train the drafter
+TARGET_SHARDS = 1           # target ranks per replica: each holds 1/N of the target (FSDP2); divides TARGET_RANKS
 DEVICE = "auto"             # auto | cuda | cpu
 DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
@@ -131,7 +132,8 @@ RANGES = {
     "TOKEN_BUDGET": (2, False), "MAX_BATCH_SIZE": (1, False), "EPOCHS": (1, False),
     "GRAD_ACCUM": (1, False), "LR": (0, True), "WARMUP_RATIO": (0, False), "WEIGHT_DECAY": (0, False),
     "GRAD_CLIP": (0, True), "MAX_STEPS": (0, False),
-    "TARGET_RANKS": (1, False), "Q_PREFETCH": (1, False), "Q_HS": (1, False), "SEND_DEPTH": (1, False),
+    "TARGET_RANKS": (1, False), "TARGET_SHARDS": (1, False), "Q_PREFETCH": (1, False), "Q_HS": (1, False),
+    "SEND_DEPTH": (1, False),
     "SAVE_EVERY": (1, False), "KEEP_LAST": (0, False), "SEED": (0, False), "LOG_EVERY": (1, False),
     "LOG_SECONDS": (0, True), "HEARTBEAT_TIMEOUT": (0, True), "STALL_TIMEOUT": (0, True), "EVAL_EVERY": (0, False),
     "EVAL_LIMIT": (1, False), "EVAL_MAX_NEW_TOKENS": (1, False), "DUMP_BATCHES": (0, False),
@@ -180,6 +182,18 @@ def check_config(world: int) -> None:
     if world > 1 and not 1 <= TARGET_RANKS < world:
         errs.append(f"TARGET_RANKS={TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
                     f"(at least one drafter rank); launch more processes or lower TARGET_RANKS")
+    if TARGET_SHARDS > 1:
+        if world == 1:
+            errs.append(f"TARGET_SHARDS={TARGET_SHARDS} needs a torchrun job: one process runs the whole target; "
+                        f"launch TARGET_RANKS + drafter processes or set TARGET_SHARDS=1")
+        elif TARGET_RANKS % TARGET_SHARDS:
+            errs.append(f"TARGET_RANKS={TARGET_RANKS} is not a multiple of TARGET_SHARDS={TARGET_SHARDS} (each target "
+                        f"replica spans TARGET_SHARDS ranks): set TARGET_RANKS to a multiple of it")
+        for name, why in (("COMPILE_TARGET", "torch.compile would trace FSDP's all-gather hooks inside each layer"),
+                          ("TARGET_FP8", "torchao's FP8 weights cannot be sharded and all-gathered by FSDP")):
+            if globals()[name]:
+                errs.append(f"{name} does not work with TARGET_SHARDS={TARGET_SHARDS} ({why}): set --{name}=False "
+                            f"or TARGET_SHARDS=1")
     for name, (lo, strict) in RANGES.items():
         v = globals()[name]
         if not math.isfinite(v) or (v <= lo if strict else v < lo):
@@ -332,6 +346,11 @@ class Dist:
         self.is_drafter = self.colocated or self.rank >= TARGET_RANKS
         self.is_master = self.colocated or self.rank == TARGET_RANKS          # first drafter: logs and saves
         self.drafter_index = 0 if self.colocated else self.rank - TARGET_RANKS
+        # target replicas: ranks [i*N, (i+1)*N) share one sharded target (TARGET_SHARDS = N)
+        self.shards = 1 if self.colocated else TARGET_SHARDS
+        self.n_replicas = self.n_targets // self.shards
+        first = self.rank // self.shards * self.shards
+        self.replica_ranks = range(first, first + self.shards) if self.is_target else range(0)
         self.roles = ["target" if r < self.n_targets else "drafter" for r in range(self.world)]
         self.role = "target+drafter" if self.colocated else self.roles[self.rank]
         use_cuda = DEVICE == "cuda" or (DEVICE == "auto" and torch.cuda.is_available())
@@ -346,6 +365,7 @@ class Dist:
                       "float32": torch.float32}[DTYPE]
         self.flex = ATTN == "flex" or (ATTN == "auto" and use_cuda)
         self.ctrl = self.data = self.drafters = self.store = None
+        self.shard_group = self.shard_ctrl = None   # a sharded target's replica: FSDP's group, pipe.Replica's (gloo)
         if not self.colocated:
             backend = "nccl" if use_cuda else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=max(1800.0, STALL_TIMEOUT)),
@@ -354,11 +374,18 @@ class Dist:
             self.data = dist.group.WORLD                                        # features: NCCL on GPU
             self.ctrl = dist.new_group(backend="gloo")                          # headers and token ids: CPU
             self.drafters = dist.new_group(list(range(self.n_targets, self.world)))  # DDP among drafters only
+            for i in range(self.n_replicas if self.shards > 1 else 0):          # every rank makes every group
+                ranks = list(range(i * self.shards, (i + 1) * self.shards))
+                group, ctrl = dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+                if self.rank in ranks:
+                    self.shard_group, self.shard_ctrl = group, ctrl
             self.store = dist.distributed_c10d._get_default_store()
 
     def __str__(self):
+        shard = f", target replica {self.rank // self.shards} shard {self.rank % self.shards + 1}/{self.shards}" \
+            if self.shards > 1 and self.is_target else ""
         return (f"rank {self.rank}/{self.world} {self.role} on {self.device} ({self.dtype}, "
-                f"attention={'flex' if self.flex else 'sdpa'}) pid {os.getpid()}")
+                f"attention={'flex' if self.flex else 'sdpa'}) pid {os.getpid()}{shard}")
 
 
 def log(msg: str) -> None:
@@ -466,6 +493,11 @@ def fmt_eta(s):
         else f"{s:.0f}s"
 
 
+def fmt_q_pre(q_pre, shards):
+    """The target ranks' q_pre depths, a sharded target's replicas set apart: [3, 2 | 0, 1]."""
+    return "[" + " | ".join(", ".join(map(str, q_pre[i:i + shards])) for i in range(0, len(q_pre), shards)) + "]"
+
+
 def fmt_k(x):
     return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}K" if x >= 1e3 else f"{x:.0f}"
 
@@ -506,7 +538,7 @@ def report_split(peers, d, row) -> bool:
             return False
         rates.setdefault(d.roles[r], []).append(info["busy_tok"] / info["busy_s"])
     tgt, dft = (sum(v) / len(v) for v in (rates["target"], rates["drafter"]))
-    best = planner.recommend_split(tgt, dft, d.world)
+    best = planner.recommend_split(tgt, dft, d.world, d.shards)
     row.update(target_capacity_tok_s=tgt, drafter_capacity_tok_s=dft, recommended_split=list(best))
     advice = "keep it" if best == (d.n_targets, d.n_drafters) else f"try --TARGET_RANKS={best[0]} (resume keeps " \
                                                                    f"the data position)"
@@ -714,7 +746,9 @@ def log_plan(d, config, data, sched, dcfg, step, total_steps, resume_path, init_
         + (f" (dropped {data.dropped})" if data.dropped else "")
         + f"; {data.plan.num_batches:,} micro-batches/epoch (mean {ps['mean_batch_size']:.1f} seqs, "
           f"padding waste {ps['padding_waste']:.1%})")
-    log(f"plan: {d.n_targets} target : {d.n_drafters} drafter ranks x GRAD_ACCUM={GRAD_ACCUM} => "
+    replicas = f" ({d.n_replicas} target replica{'s' if d.n_replicas > 1 else ''} x TARGET_SHARDS={d.shards}, " \
+        f"each rank forwarding its own micro-batches)" if d.shards > 1 else ""
+    log(f"plan: {d.n_targets} target : {d.n_drafters} drafter ranks{replicas} x GRAD_ACCUM={GRAD_ACCUM} => "
         f"{sched.per_step} micro-batches/step; {total_steps:,} steps ({sched.total_g:,} micro-batches, "
         f"{sched.total_g / data.plan.num_batches:.2f} epochs); drafter L={dcfg.num_hidden_layers} "
         f"taps={dcfg.target_layer_ids} B={dcfg.block_size} mask_token_id={dcfg.mask_token_id}")
@@ -741,8 +775,14 @@ def write_run_info(d, out_dir, config, data, dcfg, fingerprint, resume_path):
 
 def load_target(d, dcfg, watchdog):
     """The frozen target of a target rank (or the one process): FP8 and compiled as configured."""
-    with Phase(d, f"load target {TARGET}", watchdog):
-        target = Target(TARGET, d.device, d.dtype, dcfg.target_layer_ids)
+    sharded = f" (1/{d.shards} of layers 0..{max(dcfg.target_layer_ids)} per rank, FSDP2)" if d.shards > 1 else ""
+    with Phase(d, f"load target {TARGET}{sharded}", watchdog):
+        target = Target(TARGET, d.device, d.dtype, dcfg.target_layer_ids, shard_group=d.shard_group)
+    if target.sharded:
+        params = list(target.decoder.parameters())
+        held, whole = sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)
+        log(f"[rank {d.rank} {d.role}] holds {held:,} of the {whole:,} target parameters it runs "
+            f"({held / whole:.1%}; replica {d.rank // d.shards} = ranks {d.replica_ranks[0]}..{d.replica_ranks[-1]})")
     if TARGET_FP8:   # before compiling: the compiled layers then fuse the activations' FP8 casts
         log(f"[rank {d.rank} {d.role}] TARGET_FP8: {fp8.quantize_target(target)} Linear layers of target "
             f"layers 0..{max(dcfg.target_layer_ids)} in FP8 (per-row scales)")
@@ -767,8 +807,10 @@ def run_target(d, data, sched, target, watchdog):
     watchdog.steady = True
     watchdog.state = "producing"
     n0 = 0
+    replica = Replica(d.shard_ctrl, [sched.target_gs(r) for r in d.replica_ranks], d.rank % d.shards) \
+        if d.shards > 1 else None
     for p in produce(data, sched.target_gs(d.rank), target, d.device, Q_PREFETCH, StopPoint(d.store, sched.total_g),
-                     watchdog, clock):
+                     watchdog, clock, replica=replica):
         sender.put(d.n_targets + sched.consumer(p.g), p)
         watchdog.progress()
         n0 += 1
@@ -1112,7 +1154,8 @@ def status_line(run, meter, params, lr, now):
         dpace = f" dpace={row['objective']:.3f}" if LOSS_WEIGHTING == "dpace" else ""
         log(f"[{(now - meter.t_start) / 60:.0f}m] step={step}/{run.total_steps} loss={row['loss']:.3f}{dpace} "
             f"acc={row['acc']:.3f} streak={row['streak']:.2f}{tau} lr={lr:.1e} noise={noise_std:.3f} | "
-            f"tgt={tgt_rate:.2f}b/s dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | q_pre={q_pre} q_hs={q_hs} | "
+            f"tgt={tgt_rate:.2f}b/s dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | "
+            f"q_pre={fmt_q_pre(q_pre, d.shards)} q_hs={q_hs} | "
             f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")
     meter.t_log, meter.step_at_log, meter.tokens, meter.micro_batches = now, step, 0, 0
 

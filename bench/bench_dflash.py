@@ -119,7 +119,7 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
     model.eval().requires_grad_(False)
     # Target.__init__ without from_pretrained: the same attributes, so Target.features runs unchanged
     t = Target.__new__(Target)
-    t.model = model
+    t.model, t.sharded = model, False
     t.hf_config = model.config.get_text_config()
     t.num_layers = t.hf_config.num_hidden_layers
     t.decoder = model.get_decoder()
