@@ -188,7 +188,7 @@ def test_sharded_checkpoint_resumes_exactly(assets, fsdp_run, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in b), "the resumed run ends with other weights"
 
 
-@pytest.mark.parametrize("drafters", [1, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("drafters", [1, 3])
 def test_sharded_checkpoint_resumes_onto_another_number_of_drafter_ranks(assets, fsdp_run, tmp_path, drafters):
     """Saved by 2 drafter ranks, resumed by 1 (GRAD_ACCUM 6) or 3 (GRAD_ACCUM 2): DCP reshards."""
     out = resumed_from(fsdp_run, 2, tmp_path / "run")
@@ -198,7 +198,7 @@ def test_sharded_checkpoint_resumes_onto_another_number_of_drafter_ranks(assets,
     assert_close_exports(out, fsdp_run)
 
 
-@pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), pytest.param("ddp", "fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), ("ddp", "fsdp")])
 def test_checkpoints_resume_across_ddp_and_fsdp(assets, ddp_run, fsdp_run, tmp_path, written, resumed):
     src = {"ddp": ddp_run, "fsdp": fsdp_run}[written]
     out = resumed_from(src, 2, tmp_path / "run")
