@@ -240,7 +240,7 @@ def qwen_72b_class():
 
 
 def test_fsdp_shards_the_drafter_state_per_rank():
-    hf, P = qwen_72b_class(), None
+    hf = qwen_72b_class()
     cfg = bench_cfg(TOKEN_BUDGET=16384, TARGET_RANKS=8)
 
     def terms(sharding, drafters, **kw):
