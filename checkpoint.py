@@ -2,6 +2,8 @@
 
 Layout of OUT_DIR/checkpoints/step_NNNNNN/:
     state.pt         drafter (fp32 master weights), optimizer, step, data position, RNG states
+    shards/          DRAFTER_SHARDING=fsdp instead: drafter and optimizer sharded as the drafter ranks hold them
+                     (torch.distributed.checkpoint; state.pt keeps step, data position, RNG states)
     meta.json        small and human-readable: step, next_g, dataset fingerprint, config, environment
     drafter/         the serving-format drafter (config.json + model.safetensors), loadable by SGLang / vLLM
     MANIFEST.json    size and sha256 of every file above; written last
@@ -14,6 +16,9 @@ removes `.tmp-*` folders (any other writer's are then dead).
 
 The state a checkpoint holds is defined here too (`train_state`, `train_meta`), with what a resume reads back from
 it: `resume_mismatches` (what the checkpoint was trained for) and `resume_point` (where the data and LR continue).
+A sharded checkpoint is written by every drafter rank (`save_shards`) and read back onto any number of drafter
+ranks, sharded or not (`load_shards`: DCP reshards); `full_state` gathers the sharded drafter on the master for the
+serving export.
 """
 import atexit
 import errno
@@ -32,9 +37,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import transformers
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.tensor import DTensor
 
 PREFIX = "step_"
+SHARDS = "shards"           # the DCP folder of a sharded checkpoint
 
 
 class CheckpointError(RuntimeError):
@@ -65,13 +76,19 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_last: int) -> Path:
-    """Write checkpoint `step` atomically; `write_drafter(folder)` writes the serving export.
+def tmp_dir(root: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before its rename."""
+    return Path(root) / f".tmp-{step_dir(root, step).name}"
+
+
+def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_last: int, write_shards=None) -> Path:
+    """Write checkpoint `step` atomically; `write_drafter(folder)` writes the serving export, `write_shards(folder)`
+    (a sharded drafter: save_shards, which the other drafter ranks call at the same time) the shards into it.
     Raises CheckpointError (disk full or any other write error) after removing the partial folder; older
     checkpoints are untouched."""
     root = Path(root)
     final = step_dir(root, step)
-    tmp = root / f".tmp-{final.name}"
+    tmp = tmp_dir(root, step)
     try:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -82,6 +99,8 @@ def save(root: Path, step: int, state: dict, meta: dict, write_drafter, keep_las
         with open(tmp / "state.pt", "wb") as f:
             torch.save(state, f)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        if write_shards:
+            write_shards(tmp)
         write_drafter(tmp / "drafter")
         files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -207,7 +226,8 @@ def verify(path: Path, deep: bool = True) -> None:
         entries = [(name, int(info["bytes"]), str(info["sha256"])) for name, info in files.items()]
     except (ValueError, KeyError, TypeError, AttributeError) as e:   # JSONDecodeError is a ValueError
         raise CheckpointError(f"{man} is unreadable ({type(e).__name__}: {e})") from e
-    for name in REQUIRED:
+    sharded = [f"{SHARDS}/.metadata"] if any(name.startswith(SHARDS + "/") for name in files) else []
+    for name in (*REQUIRED, *sharded):   # DCP's .metadata is written last: without it the shards are unreadable
         if name not in files:
             raise CheckpointError(f"{man} does not list {name}")
     for name, size, digest in entries:
@@ -272,11 +292,60 @@ def git_revision() -> str:
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
 
 
-def train_state(drafter, opt, step: int, next_g: int) -> dict:
+def train_state(drafter, opt, step: int, next_g: int, sharded: bool = False) -> dict:
     """state.pt: fp32 master weights, optimizer, the next step and micro-batch, every RNG (per-micro-batch draws come
-    from (SEED, g), so these only matter to code outside them)."""
-    return {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "next_g": next_g,
+    from (SEED, g), so these only matter to code outside them). sharded: the weights and optimizer go to the
+    shards (save_shards), state.pt names that folder instead."""
+    state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict()} if not sharded else {"shards": SHARDS}
+    return {**state, "step": step, "next_g": next_g,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+
+
+# --- sharded drafter state (DRAFTER_SHARDING=fsdp) ---------------------------------------------------------------------
+
+def save_shards(folder: Path, model, opt, group) -> None:
+    """Every drafter rank at once: the drafter and its optimizer as this rank holds them (FSDP2 DTensor shards) into
+    folder/shards, one file per rank plus DCP's .metadata (written last, by the group's first rank). The barrier:
+    the master has made `folder` (checkpoint.save) before any rank writes into it."""
+    dist.barrier(group=group)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(folder) / SHARDS, process_group=group)
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / SHARDS).is_dir()
+
+
+def load_shards(path: Path, model, opt, group) -> dict:
+    """A sharded checkpoint into this run's drafter and optimizer, on every drafter rank at once: DCP reads each
+    rank's share of every tensor whatever the number of ranks that wrote it, and into an unsharded drafter
+    (DRAFTER_SHARDING=ddp, or the one process: group None) the whole tensors. -> state.pt (step, next_g, RNG)."""
+    msd, osd = get_state_dict(model, opt)        # the optimizer's state made (zeros) so DCP has tensors to fill
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=Path(path) / SHARDS, process_group=group)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+
+
+def load_full_into_sharded(model, opt, plain, plain_opt) -> None:
+    """An unsharded drafter's weights and optimizer (plain, plain_opt: a DDP checkpoint's state.pt loaded into them)
+    into the sharded model and opt: every rank keeps its share of the full tensors."""
+    set_state_dict(model, opt, model_state_dict=plain.state_dict(),
+                   optim_state_dict=get_optimizer_state_dict(plain, plain_opt),
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def full_state(model, keep: bool) -> dict:
+    """The sharded drafter's whole fp32 state dict on the CPU of the rank with keep=True (the master, for the serving
+    export), gathered one tensor at a time (every drafter rank calls it: each gather is a collective), so no rank
+    holds more than one unsharded tensor on its device. get_model_state_dict(full_state_dict, cpu_offload) keeps the
+    result on global rank 0 only, a target rank here."""
+    out = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = full.detach().cpu()
+    return out
 
 
 def restore_rng(state: dict) -> None:

@@ -12,6 +12,7 @@ Whoever reads the parameters outside the drafter's forward (checkpoints, evaluat
 calls wait_all() first.
 """
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def param_chunks(drafter) -> list[list[torch.nn.Parameter]]:
@@ -136,12 +137,16 @@ def scale_clip_(params, scale, max_norm: float, opt=None):
     scale: a 0-dim or [1] tensor on the gradients' device (no host sync). Returns the scaled norm, before clipping.
     With a fused torch optimizer as opt the gradients are left as they are and the factor goes to its next step
     (opt.grad_scale, which GradScaler uses too: the fused AdamW kernel divides each gradient by it as it reads it),
-    which saves a pass over every gradient; otherwise one foreach multiply."""
+    which saves a pass over every gradient; otherwise one foreach multiply. FSDP2's DTensor gradients: the norm is the
+global one (reduced over the shards), the factor the same on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     scale = scale.reshape(())
-    total = torch.nn.utils.get_total_norm(grads) * scale
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):   # FSDP2 shards: every rank's share in it, the norm of the whole gradient
+        total = total.full_tensor()
+    total = total * scale
     coef = scale * torch.clamp(max_norm / (total + 1e-6), max=1.0)                # clip_grad_norm_'s coefficient
     if opt is not None and opt.defaults.get("fused"):
         opt.grad_scale = (1.0 / coef).reshape(1).float()

@@ -43,6 +43,8 @@ DFT_CE_FP32_COPIES = 2.0   # [CE_CHUNK, vocab] fp32 buffers alive at once inside
 DFT_CE_FUSED_COPIES = 1.0  # the same on GPU in bf16: the Triton epilogue writes the grad over the bf16 logits
 DFT_QUEUE_EXTRA = 2        # received micro-batches alive beyond Q_HS: one training, one prepared and waiting to enter
 DFT_DDP_BUCKETS = 1.0      # fp32 gradient copies DDP keeps in its buckets with >= 2 drafter ranks
+DFT_FSDP_LAYERS = 2        # DRAFTER_SHARDING=fsdp: unsharded decoder layers alive at once (the running one and the
+#                             next one's all-gather; in the backward, its fp32 gradient before the reduce-scatter)
 DFT_COMPILED_LAYER_SCALE = 0.68  # COMPILE_DRAFTER=layers: share of the eager per-layer activations (block + kv) a
 #                             compiled layer saves (its partitioner can recompute cheap ops in the backward rather
 #                             than save them). Fitted to the H200 peaks (test_planner's MEASURED);
@@ -167,8 +169,16 @@ def _target_terms(s, d, prefix=""):
     return terms
 
 
+def drafter_layer_params(s: Sizes) -> int:
+    """Parameters of one drafter decoder layer: an FSDP2 unit under DRAFTER_SHARDING=fsdp."""
+    return drafter_linear_params(s, 1, 0) + ((s.qd + 2 * s.kvd + s.H) if s.attn_bias else 0) + 2 * s.D + 2 * s.H
+
+
 def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     L, K, T, M, R, P = d["L"], d["K"], d["tokens"], d["M"], d["R"], d["drafter_params"]
+    # fsdp: each of the n drafter ranks keeps 1/n of the fp32 weights, gradients and AdamW state
+    fsdp, n = d["fsdp"], d["n_drafters"]
+    share, of_n = (1 / n, f", 1/{n} per rank (fsdp)") if fsdp else (1, "")
     act, lay = d["act_scale"], d["layer_act_scale"]
     fwd, bwd = (prefix + "forward",), (prefix + "backward end",)
     block = lay * (L * (DFT_BLOCK_PER_H * s.H + DFT_BLOCK_PER_QD * s.qd + DFT_BLOCK_PER_I * s.I)
@@ -178,13 +188,13 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     item = d["feature_bytes"] + (0 if d["flex"] else M * (T + M))     # the SDPA path also holds a dense bool mask
     copies = 0 if d["fp32"] else drafter_linear_params(s, L, K) * BF16
     terms = [
-        _term(f"drafter weights fp32: {L} layers + fc + norms ({P / 1e9:.3f}B params)", "drafter weights", P * FP32,
-              "static"),
-        _term("AdamW exp_avg + exp_avg_sq fp32", "AdamW", 2 * P * FP32, "static"),
+        _term(f"drafter weights fp32: {L} layers + fc + norms ({P / 1e9:.3f}B params){of_n}", "drafter weights",
+              P * FP32 * share, "static"),
+        _term(f"AdamW exp_avg + exp_avg_sq fp32{of_n}", "AdamW", 2 * P * FP32 * share, "static"),
         _term(f"received micro-batches: {d['queue_items']} x features [{T}, {K}*{s.H}] bf16"
               + ("" if d["flex"] else f" + dense mask [{M}, {T}+{M}] bool"), "queue", d["queue_items"] * item,
               "static", "Q_HS"),
-        _term("autocast bf16 copies of the Linear weights", "bf16 copies", copies, fwd + bwd),
+        _term("autocast bf16 copies of the Linear weights", "bf16 copies", 0 if fsdp else copies, fwd + bwd),
         _term(f"activations, block tokens: {L} layers x {M} rows (MAX_ANCHORS {d['N']} x BLOCK_SIZE {d['B']})"
               + (f", compiled layers save {lay:g} of eager" if lay != 1 else ""),
               "block acts", act * M * block, fwd, "MAX_ANCHORS"),
@@ -198,8 +208,20 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
               if d["fused_ce"] else f"CE chunk: {DFT_CE_FP32_COPIES:g} x [{d['ce_rows']}, {s.V}] fp32 logits",
               "CE chunk", (DFT_CE_FUSED_COPIES * BF16 if d["fused_ce"] else DFT_CE_FP32_COPIES * FP32)
               * d["ce_rows"] * s.V, fwd, "CE_CHUNK"),
-        _term("gradients fp32", "grads", P * FP32, bwd),
+        _term(f"gradients fp32{of_n}", "grads", P * FP32 * share, bwd),
     ]
+    if fsdp:
+        root, layer = P - L * drafter_layer_params(s), drafter_layer_params(s)
+        w = FP32 if d["fp32"] else BF16
+        units = min(L, DFT_FSDP_LAYERS)
+        terms += [
+            _term(f"all-gathered weights ({'fp32' if d['fp32'] else 'bf16'}): the root (fc + norms) and {units} "
+                  f"layers", "gathered", (root + units * layer) * w, fwd + bwd),
+            _term(f"unsharded fp32 gradients before their reduce-scatter: the root and {units} layers",
+                  "unsharded grads", (root + units * layer) * FP32, bwd)]
+        if cfg.get("GRAD_ACCUM", 1) > 1:   # no sync until the last micro-batch: FSDP2 holds them whole, in fp32
+            terms.append(_term(f"unsharded fp32 gradients held across GRAD_ACCUM={cfg['GRAD_ACCUM']} micro-batches",
+                               "accumulated grads", P * FP32, fwd + bwd))
     if not frozen_shared:
         n = 1 if s.tied else 2
         terms.insert(2, _term(f"frozen embedding{'' if s.tied else ' + lm_head'} [{s.V}, {s.H}] bf16", "frozen io",
@@ -209,7 +231,7 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
         terms.append(_term(f"evaluation target ({eval_dtype}, EVAL_EVERY; while it runs the training activations are "
                            f"freed)", "eval target", d["target_params"] * (FP32 if eval_dtype == "float32" else BF16),
                            (prefix + "evaluation",)))
-    if d["n_drafters"] > 1:
+    if d["n_drafters"] > 1 and not fsdp:
         terms.insert(2, _term(f"DDP gradient buckets fp32 ({d['n_drafters']} drafter ranks)", "DDP buckets",
                               DFT_DDP_BUCKETS * P * FP32, "static"))
     return terms
@@ -252,6 +274,7 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
              fp32=dtype == "float32", act_scale=FP32_ACT_SCALE if dtype == "float32" else 1.0,
              layer_act_scale=DFT_COMPILED_LAYER_SCALE if cfg.get("COMPILE_DRAFTER") == "layers" else 1.0,
              flex=str(cfg.get("ATTN", "auto")) != "sdpa", n_targets=n_tgt, n_drafters=n_dft,
+             fsdp=not colocated and cfg.get("DRAFTER_SHARDING", "ddp") == "fsdp",
              # the planner plans GPU runs: a chunked CE in bf16 there runs model/ce_kernel.py (CE_CHUNK=0 is the
              # unchunked fp32 reference)
              fused_ce=dtype != "float32" and bool(cfg["CE_CHUNK"]),
@@ -367,7 +390,18 @@ def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
                             f"GPUs (TARGET_RANKS a multiple of it: {ranks if ranks < world else n}; on several nodes "
                             f"keep a replica inside one)")
             floor = min(floor, usable)
-        if floor > usable and not estimate["colocated"]:
+        shard = _fsdp_fit(cfg, hf, world, usable) if name == "drafter" and \
+            cfg.get("DRAFTER_SHARDING", "ddp") != "fsdp" else None
+        if shard:
+            n, need = shard
+            ranks = f"its {n} drafter ranks" if n == world - cfg["TARGET_RANKS"] else f">= {n} drafter ranks"
+            shard = f"set DRAFTER_SHARDING=fsdp ({need / GiB:.1f} GiB per rank on {ranks})"
+        if shard and floor > usable:
+            errors.append(f"{head}: even at the smallest {', '.join(knobs)} it needs {floor / GiB:.1f} GiB with "
+                          f"every drafter rank holding all weights and optimizer state (ddp): {shard}{why}")
+        elif shard:
+            errors.append(f"{head}: {shard}" + "".join(f", or {f}" for f in fixes) + why)
+        elif floor > usable and not estimate["colocated"]:
             errors.append(f"{head}: even at the smallest {', '.join(knobs)} it needs {floor / GiB:.1f} GiB (weights, "
                           f"optimizer state, gradients), so no setting fixes it: a GPU with more memory is needed{why}")
         elif fixes:
@@ -377,6 +411,17 @@ def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
             fix = ", ".join(f"{k} (now {cfg[k]}) to <= {v}" for k, v in together.items())
             errors.append(f"{head}: no single setting fixes it; lower together {fix}{why}")
     return errors
+
+
+def _fsdp_fit(cfg, hf, world, usable, most=256):
+    """The fewest drafter ranks, this run's or more (up to `most`), on which the drafter role fits with
+    DRAFTER_SHARDING=fsdp: (ranks, peak bytes per rank), or None."""
+    fsdp = {**cfg, "DRAFTER_SHARDING": "fsdp"}
+    for n in range(max(1, world - cfg["TARGET_RANKS"]), most + 1):
+        need = estimate_role(fsdp, hf, cfg["TARGET_RANKS"] + n, "drafter", {})
+        if need <= usable:
+            return n, need
+    return None
 
 
 def split_rate(t, d, target_tok_s, drafter_tok_s):

@@ -1,5 +1,6 @@
 """Train a DFlash drafter in one torchrun job: target ranks run the frozen target and stream hidden states to
-drafter ranks, which train the drafter with DDP among themselves. No external services. The algorithm:
+drafter ranks, which train the drafter with DDP among themselves (or shard it with FSDP2: DRAFTER_SHARDING). No
+external services. The algorithm:
 docs/ALGORITHM.md; the route of a micro-batch and the role of each file: ARCHITECTURE.md.
 
     bash launch.sh                                                     # the usual way (tmux, log, allocator)
@@ -27,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -92,6 +95,7 @@ COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) |
 COMPILE_TARGET = False      # torch.compile each target decoder layer (one process too: warmed up on the main thread)
 TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
 DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, rowwise)
+DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (optim.py)
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
@@ -236,6 +240,14 @@ def check_config(world: int) -> None:
         except ValueError:
             errs.append(f"FLEX_OPTIONS={FLEX_OPTIONS!r} is not a JSON object of flex_attention kernel_options "
                         f"(e.g. '{{\"USE_TMA\": true}}'; \"\" for torch's defaults)")
+    if DRAFTER_SHARDING not in ("ddp", "fsdp"):
+        errs.append(f"DRAFTER_SHARDING={DRAFTER_SHARDING!r}: allowed are ddp, fsdp")
+    elif DRAFTER_SHARDING == "fsdp" and world == 1:
+        errs.append("DRAFTER_SHARDING=fsdp shards the drafter over the drafter ranks of a torchrun job; the one "
+                    "process holds it whole: launch with torchrun (launch.sh), or use DRAFTER_SHARDING=ddp")
+    elif DRAFTER_SHARDING == "fsdp" and DRAFTER_FP8:
+        errs.append("DRAFTER_FP8 with DRAFTER_SHARDING=fsdp is not supported yet (float8 weights would need FSDP2's "
+                    "float8 all-gather): use one of them")
     if COMPILE_DRAFTER not in COMPILE_MODES:
         errs.append(f"COMPILE_DRAFTER={COMPILE_DRAFTER!r}: allowed are {', '.join(COMPILE_MODES)}")
     if EVAL_DTYPE not in ("float32", "bfloat16"):
@@ -454,6 +466,8 @@ def drafter_step(model, embed, head_w, item, block_size, autocast, sync=True, pr
         feats = feats + (torch.rand(feats.shape, generator=gen, device=feats.device, dtype=torch.float32)
                          * 2 - 1).mul_(NOISE).to(feats.dtype)
     no_sync = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):   # FSDP2: reduce-scatter only after the step's last micro-batch
+        model.set_requires_gradient_sync(sync)
     with no_sync, autocast:
         with saved_hooks or contextlib.nullcontext():
             hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
@@ -469,8 +483,9 @@ def drafter_step(model, embed, head_w, item, block_size, autocast, sync=True, pr
 
 
 def optimizer_step(params, opt, step_w, n_drafters=1, group=None):
-    """The update after a step's micro-batches. Global normalisation: the gradients hold sum(w * CE) (averaged by
-    DDP over the n_drafters ranks of `group`), step_w [1] this rank's sum of w: divide by the global one."""
+    """The update after a step's micro-batches. Global normalisation: the gradients hold sum(w * CE) (averaged over
+    the n_drafters ranks of `group` by DDP's all-reduce, or FSDP2's reduce-scatter, which averages the same way),
+    step_w [1] this rank's sum of w: divide by the global one."""
     if n_drafters > 1:
         dist.all_reduce(step_w, group=group)
     scale_clip_(params, (n_drafters / step_w.clamp(min=1e-12)).float(), GRAD_CLIP, opt)
@@ -822,7 +837,9 @@ def run_target(d, data, sched, target, watchdog):
 
 def build_drafter(d, dcfg, target, resume_path, watchdog):
     """fp32 master weights (from the checkpoint, INIT_FROM or SEED), the frozen embedding / lm_head, the optimizer;
-    compiled and wrapped in DDP as configured. -> (drafter, model, opt, embed, head_w)."""
+    compiled, and wrapped in DDP or sharded with FSDP2 (DRAFTER_SHARDING) as configured.
+    -> (drafter, model, opt, embed, head_w)."""
+    sharded = DRAFTER_SHARDING == "fsdp"
     with Phase(d, "build drafter", watchdog):
         torch.manual_seed(SEED)
         drafter = Drafter(dcfg).to(d.device)                      # fp32 master weights
@@ -831,29 +848,28 @@ def build_drafter(d, dcfg, target, resume_path, watchdog):
                 f"(rowwise); fc and the lm_head stay bf16" + ("" if COMPILE_DRAFTER == "layers" else
                                                               "; meant with COMPILE_DRAFTER=layers, which fuses "
                                                               "its casts"))
+        # not sharded: frozen, outside the optimizer, so sharding would save only their bf16 copy, for an all-gather
+        # of [V, H] every micro-batch
         embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
             (target.embed_tokens, target.lm_head_weight, None)
-        opt = make_optimizer(drafter, LR, WEIGHT_DECAY, overlap=OVERLAP_OPTIMIZER)
-        if resume_path:
-            state = ckpt.load_state(resume_path, map_location=d.device)
-            drafter.load_state_dict(state["drafter"])
-            try:
-                opt.load_state_dict(state["optimizer"])
-            except ValueError as e:
-                raise SystemExit(f"error: the optimizer state in {resume_path} does not match this drafter's "
-                                 f"parameters ({e}); it was written for another drafter shape "
-                                 f"(NUM_DRAFT_LAYERS, TARGET_LAYER_IDS or the target). Resume with the settings "
-                                 f"that wrote it, or start over in another OUT_DIR") from e
-            ckpt.restore_rng(state)
-        elif INIT_FROM:
+        if INIT_FROM and not resume_path:
             dtype = load_init_from(drafter)
             if d.is_master:
                 log(f"INIT_FROM: drafter weights from {INIT_FROM} ({dtype} export, into float32 master weights); "
                     f"a fresh run: step 0, new optimizer, the LR schedule from its start")
-        model = drafter
         if COMPILE_DRAFTER != "off":
             compile_drafter(drafter, COMPILE_DRAFTER)   # compiled by the first step, on this (the main) thread
-        if d.n_drafters > 1:
+        if sharded:                                     # replaces the parameters: before the optimizer is made
+            shard_drafter(d, drafter)
+        # the overlapped step would race FSDP2's all-gather of the root's parameters (fc, norms), which runs before
+        # the forward's first params_ready wait; sharded, the step is 1/D of the work anyway
+        opt = make_optimizer(drafter, LR, WEIGHT_DECAY, overlap=OVERLAP_OPTIMIZER and not sharded)
+        if sharded and OVERLAP_OPTIMIZER and d.is_master and d.device.type == "cuda":
+            log("NOTE: DRAFTER_SHARDING=fsdp: the optimizer step runs in line (OVERLAP_OPTIMIZER is for ddp)")
+        if resume_path:
+            restore_drafter(d, dcfg, resume_path, drafter, opt)
+        model = drafter
+        if d.n_drafters > 1 and not sharded:
             model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                         process_group=d.drafters)
     if d.flex:
@@ -862,6 +878,45 @@ def build_drafter(d, dcfg, target, resume_path, watchdog):
             warmup_flex_attention(d.device, d.dtype, dcfg.num_attention_heads, dcfg.num_key_value_heads,
                                   dcfg.head_dim, dcfg.block_size, mask_lengths(dcfg, d.device, d.flex))
     return drafter, model, opt, embed, head_w
+
+
+def shard_drafter(d, drafter) -> None:
+    """DRAFTER_SHARDING=fsdp: FSDP2 over the drafter ranks, one unit per decoder layer and the root (fc, hidden_norm,
+    norm), so each rank keeps 1/D of the fp32 weights, gradients and AdamW state. On a GPU the forward runs on bf16
+    all-gathered weights (DTYPE); gradients are reduce-scattered in fp32. cast_forward_inputs off: the activations
+    keep the dtypes the drafter's code gives them (fp32 RoPE tables, norms), as under DDP and autocast."""
+    mesh = DeviceMesh.from_group(d.drafters, d.device.type)
+    mp = MixedPrecisionPolicy(param_dtype=d.dtype if d.device.type == "cuda" else None, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    for layer in drafter.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(drafter, mesh=mesh, mp_policy=mp)
+
+
+def restore_drafter(d, dcfg, resume_path, drafter, opt) -> None:
+    """A checkpoint's weights, optimizer and RNG into this run's drafter, whatever wrote it: a sharded checkpoint
+    (DCP) onto any number of drafter ranks, sharded or whole; a DDP checkpoint's state.pt whole, or into the
+    shards through a whole copy on the CPU."""
+    try:
+        if ckpt.is_sharded(resume_path):
+            state = ckpt.load_shards(resume_path, drafter, opt, d.drafters)
+        else:
+            state = ckpt.load_state(resume_path, map_location=d.device if DRAFTER_SHARDING == "ddp" else "cpu")
+            if DRAFTER_SHARDING == "ddp":
+                drafter.load_state_dict(state["drafter"])
+                opt.load_state_dict(state["optimizer"])
+            else:
+                plain = Drafter(dcfg)
+                plain_opt = make_optimizer(plain, LR, WEIGHT_DECAY)
+                plain.load_state_dict(state["drafter"])
+                plain_opt.load_state_dict(state["optimizer"])
+                ckpt.load_full_into_sharded(drafter, opt, plain, plain_opt)
+    except ValueError as e:
+        raise SystemExit(f"error: the optimizer state in {resume_path} does not match this drafter's "
+                         f"parameters ({e}); it was written for another drafter shape "
+                         f"(NUM_DRAFT_LAYERS, TARGET_LAYER_IDS or the target). Resume with the settings "
+                         f"that wrote it, or start over in another OUT_DIR") from e
+    ckpt.restore_rng(state)
 
 
 def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats):
@@ -959,7 +1014,7 @@ class Run:
     data: Data
     sched: Schedule
     drafter: Drafter               # fp32 master weights
-    model: torch.nn.Module         # the drafter, or its DDP wrapper
+    model: torch.nn.Module         # the drafter (FSDP2-sharded with DRAFTER_SHARDING=fsdp), or its DDP wrapper
     opt: torch.optim.Optimizer
     embed: torch.nn.Embedding      # the target's, frozen
     head_w: torch.Tensor           # [V, H] the target's lm_head, frozen
@@ -1047,7 +1102,8 @@ def train(run):
             log_now = run.step % LOG_EVERY == 0 or run.step == run.total_steps or stopping
         if log_now:
             status_line(run, meter, params, lr, now)
-        if d.is_master and (run.step % SAVE_EVERY == 0 or run.step == run.total_steps or stopping):
+        writes = d.is_master or DRAFTER_SHARDING == "fsdp"   # sharded: every drafter rank writes its shard
+        if writes and (run.step % SAVE_EVERY == 0 or run.step == run.total_steps or stopping):
             t_pause = time.time()
             save_checkpoint(run)
             meter.t_log += time.time() - t_pause   # checkpoint and evaluation time is not training throughput
@@ -1108,12 +1164,14 @@ def stop_requested(run) -> bool:
 
 def status_line(run, meter, params, lr, now):
     """The metrics since the last line, all-reduced over the drafters (every drafter calls this at the same step),
-    then on the master one line and one metrics.jsonl row. Also checks that DDP kept the drafters identical."""
+    then on the master one line and one metrics.jsonl row. Also checks that DDP kept the drafters identical (FSDP2's
+    ranks hold different shards: ddp_weight_spread is null)."""
     d, step = run.d, run.step
     red = meter.sums.clone()
-    spread = 0.0
+    spread = 0.0 if DRAFTER_SHARDING == "ddp" else None
     if d.n_drafters > 1:
         dist.all_reduce(red, group=d.drafters)
+    if d.n_drafters > 1 and DRAFTER_SHARDING == "ddp":
         # DDP keeps drafters bitwise identical; check it where we sync anyway
         run.opt.wait_all()
         cs = torch.stack([p.detach().double().sum() for p in params]).sum()
@@ -1162,28 +1220,46 @@ def status_line(run, meter, params, lr, now):
 
 def save_checkpoint(run):
     """The master's checkpoint after run.step (checkpoint.py's schema), then every EVAL_EVERY-th time the
-    evaluation."""
+    evaluation. DRAFTER_SHARDING=fsdp: every drafter rank calls it, writes its shard into the master's folder
+    (checkpoint.save_shards) and takes part in gathering the whole drafter for the serving export."""
     d = run.d
     if run.watchdog:
         run.watchdog.state = f"saving checkpoint step {run.step}"
     run.opt.wait_all()   # the overlapped optimizer's last update has run (parameters and its state)
+    sharded = DRAFTER_SHARDING == "fsdp"
+    full = ckpt.full_state(run.drafter, keep=d.is_master) if sharded else None   # fp32, on the master's CPU
+    shards = functools.partial(ckpt.save_shards, model=run.drafter, opt=run.opt, group=d.drafters) \
+        if sharded else None
+    if not d.is_master:
+        shards(ckpt.tmp_dir(run.ck_root, run.step))
+        return
     g = run.g_at(run.step)
-    state = ckpt.train_state(run.drafter, run.opt, run.step, g)
+    state = ckpt.train_state(run.drafter, run.opt, run.step, g, sharded=sharded)
     meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.config, run.data,
                            run.dcfg, run.fingerprint)
     t = time.time()
     try:
-        path = ckpt.save(run.ck_root, run.step, state, meta, lambda p: export_drafter(run.drafter, p), KEEP_LAST)
+        path = ckpt.save(run.ck_root, run.step, state, meta,
+                         lambda p: export_drafter(run.drafter, p, state=full), KEEP_LAST, write_shards=shards)
     except ckpt.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     log(f"saved {path} ({time.time() - t:.1f}s)")
     run.saves += 1
     if EVAL_EVERY and run.saves % EVAL_EVERY == 0:
-        evaluate(run)
+        evaluate(run, run.drafter if not sharded else whole_drafter(run.dcfg, full, d.device))
 
 
-def evaluate(run):
-    """tau of the current drafter on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
+def whole_drafter(dcfg, state, device) -> Drafter:
+    """A sharded drafter's gathered state as one plain Drafter on `device`, for the master's evaluation (the FSDP2
+    module's forward is a collective of every drafter rank)."""
+    with torch.device("meta"):
+        drafter = Drafter(dcfg)
+    drafter.load_state_dict(state, assign=True)
+    return drafter.to(device)
+
+
+def evaluate(run, drafter):
+    """tau of the current drafter (run.drafter, or its whole copy when sharded) on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
     filling the queues. The watchdog knows (its stall check pauses), and the HF target it loads in EVAL_DTYPE
     is freed afterwards (planner.py counts it in the drafter's peak)."""
     d, setup = run.d, run.eval_setup
@@ -1193,15 +1269,15 @@ def evaluate(run):
         target_model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
                                                             attn_implementation="sdpa",
                                                             local_files_only=True).to(d.device).eval()
-        run.drafter.eval()
+        drafter.eval()
         with torch.no_grad():
-            res = eval_dflash.evaluate(target_model, setup["tok"], run.drafter, setup["prompts"],
+            res = eval_dflash.evaluate(target_model, setup["tok"], drafter, setup["prompts"],
                                        max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
                                        reference=run.eval_reference, enable_thinking=setup["enable_thinking"], log=None)
         del target_model
         if d.device.type == "cuda":
             torch.cuda.empty_cache()   # give the evaluation's memory back to training
-    run.drafter.train()
+    drafter.train()
     run.last_eval.update(tau=res["tau"], lossless=res["lossless"])
     run.metrics.write({"time": time.time(), "step": run.step, "tau": res["tau"], "lossless": res["lossless"],
                        "tau_by_category": res.get("tau_by_category"), "tf_streak": res.get("tf_streak"),

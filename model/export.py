@@ -56,12 +56,14 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16) -> Path:
+def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None) -> Path:
     """Write config.json, model.safetensors and the modeling code (REMOTE_CODE) to out_dir atomically (tmp folder,
     then os.replace). dtype: the weights' on the way out; bf16 by default, what serving runs next to a bf16 target
-    (the trainer's fp32 master weights stay in its state.pt)."""
+    (the trainer's fp32 master weights stay in its state.pt). state: the whole state dict to write instead of
+    drafter.state_dict() (a sharded drafter's, gathered: checkpoint.full_state)."""
     out = Path(out_dir)
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = drafter.state_dict() if state is None else state
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

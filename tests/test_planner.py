@@ -231,6 +231,63 @@ def test_terms_scale_with_their_knobs():
     assert "frozen io" not in {t["short"] for t in solo["roles"]["target+drafter"]["terms"]}
 
 
+def qwen_72b_class():
+    """A 72B-class dense target (Qwen2.5-72B's shape): its 5-layer drafter has ~4.7B parameters."""
+    import transformers
+    return transformers.Qwen2Config(vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                                    num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                                    tie_word_embeddings=False)
+
+
+def test_fsdp_shards_the_drafter_state_per_rank():
+    hf = qwen_72b_class()
+    cfg = bench_cfg(TOKEN_BUDGET=16384, TARGET_RANKS=8)
+
+    def terms(sharding, drafters, **kw):
+        e = planner.estimate({**cfg, "DRAFTER_SHARDING": sharding, **kw}, hf, 8 + drafters)
+        return {t["short"]: t["bytes"] for t in e["roles"]["drafter"]["terms"]}, e
+    ddp, e = terms("ddp", 8)
+    P = e["derived"]["drafter_params"]
+    assert 4.5e9 < P < 4.8e9
+    assert ddp["drafter weights"] == 4 * P and ddp["AdamW"] == 8 * P and ddp["DDP buckets"] == 4 * P
+    totals = []
+    for n in (4, 8, 16):
+        got, e = terms("fsdp", n)
+        # weights, AdamW and gradients: 1/n each; no DDP buckets and no autocast copies (bf16 all-gathered weights)
+        assert got["drafter weights"] == int(4 * P / n) and got["AdamW"] == int(8 * P / n) \
+            and got["grads"] == int(4 * P / n)
+        assert "DDP buckets" not in got and got["bf16 copies"] == 0
+        layer = planner.drafter_layer_params(planner.model_sizes(hf))
+        assert got["gathered"] == (P - 5 * layer + 2 * layer) * 2      # the root (fc, norms) + 2 layers, bf16
+        # activations, the queue and the frozen embedding / lm_head are per rank whatever n
+        assert all(got[k] == ddp[k] for k in ("block acts", "kv acts", "queue", "frozen io"))
+        totals.append(e["roles"]["drafter"]["total"])
+    assert totals[0] > totals[1] > totals[2] and totals[0] < 0.55 * terms("ddp", 4)[1]["roles"]["drafter"]["total"]
+    # GRAD_ACCUM > 1: FSDP2 holds whole fp32 gradients until the last micro-batch's reduce-scatter
+    assert terms("fsdp", 8, GRAD_ACCUM=2)[0]["accumulated grads"] == 4 * P
+    assert "accumulated grads" not in terms("fsdp", 8)[0]
+
+
+def test_check_fits_recommends_fsdp_when_ddp_cannot_fit():
+    hf, cfg = qwen_72b_class(), bench_cfg(TOKEN_BUDGET=16384, TARGET_RANKS=8)
+    h100, h200 = 80 * 10 ** 9, 141 * 10 ** 9
+    drafter_errs = lambda c, world, mem: [e for e in planner.check_fits(planner.estimate(c, hf, world, mem), mem)
+                                          if e.startswith("drafter role")]
+    # 80 GB: weights + AdamW + buckets alone do not fit under ddp; fsdp on the same 4 drafter ranks does
+    err, = drafter_errs(cfg, 12, h100)
+    assert "with every drafter rank holding all weights" in err and "set DRAFTER_SHARDING=fsdp (" in err \
+        and "on its 4 drafter ranks" in err, err
+    assert drafter_errs({**cfg, "DRAFTER_SHARDING": "fsdp"}, 12, h100) == []
+    # 141 GB: ddp misses by a little: fsdp first, the knobs after it
+    err, = drafter_errs(cfg, 12, h200)
+    assert err.split(": ", 1)[1].startswith("set DRAFTER_SHARDING=fsdp") and "or lower MAX_ANCHORS" in err, err
+    # a GPU too small for 1/4 of the state: the fewest drafter ranks that fit are named
+    err, = drafter_errs({**cfg, "MAX_ANCHORS": 64, "Q_HS": 1}, 12, 40 * 10 ** 9)
+    n = int(err.split("on >= ")[1].split(" drafter ranks")[0])
+    assert n > 4 and drafter_errs({**cfg, "MAX_ANCHORS": 64, "Q_HS": 1, "DRAFTER_SHARDING": "fsdp"}, 8 + n,
+                                  40 * 10 ** 9) == []
+
+
 def test_recommend_split():
     assert planner.recommend_split(40e3, 25e3, 8) == (3, 5)
     assert planner.recommend_split(40e3, 25e3, 2) == (1, 1)
