@@ -29,8 +29,9 @@ from them in index order, and goes on from the next index of each stream.
 
 Candidates stream through one engine run (data.engine.Engine.run): a conversation's next turn joins the running batch
 as soon as its previous one is done, so the batch stays full to the end instead of draining at every stage. At most
-WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is written (flushed, fsynced) once every lower index
-of its stream is, so a stop loses at most the candidates in flight. A self-written opener is judged for duplicates
+WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is written (flushed; fsynced within a second) once every lower
+index of its stream is, so a stop loses at most the candidates in flight; a SIGTERM or Ctrl-C still records the run
+(rows, tokens, wall time) in OUT.stats.json and prints the final line. A self-written opener is judged for duplicates
 only once every lower index's opener was, so the verdicts are those of one pass in index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks
 its newline is kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
 mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
@@ -46,6 +47,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -222,6 +224,7 @@ class Synth:
         self.waiting = {}               # self items whose opener is written, by index, until their turn to be judged
         self.judge_next = 0             # the self index whose opener is judged next
         self.finished = []              # items done (kept or rejected) since the driver last looked
+        self.written = 0                # kept rows written by this run
 
     def new_item(self, stream: str, index: int) -> Item:
         row = {"id": f"{stream}/{index}", "source": "self" if stream == "self" else f"mix:{self.args.mix}",
@@ -449,18 +452,28 @@ def main(argv=None) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
         sink = Sink(args.out)
+        stopped = None
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)  # a stop (timeout, kill) still records this run
         try:
-            n_written = generate_rows(synth, stats, want, nxt, args, sink, bar, record)
+            generate_rows(synth, stats, want, nxt, args, sink, bar, record)
+        except (Stopped, KeyboardInterrupt) as e:
+            stopped = str(e) or "SIGINT"
         finally:
+            signal.signal(signal.SIGTERM, previous)
             sink.close()
             bar.close()
-        wall = time.time() - synth.t0
+        wall, n_written = time.time() - synth.t0, synth.written
         runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens,
                      "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
                      "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
-                     "device": args.device, "dtype": args.dtype})
+                     "attention": args.attention, "device": args.device, "dtype": args.dtype,
+                     **({"stopped": stopped} if stopped else {})})
         record()
         for s in STREAMS:
+            if stopped:
+                print(f"synthesize: stopped by {stopped}; rerun the same command to go on from here",
+                      file=sys.stderr)
+                break
             if stats[s]["kept"] < want[s]:
                 print(f"synthesize: the {s} stream stopped short at {stats[s]['kept']:,} of {want[s]:,} rows after "
                       f"{nxt[s]:,} candidates ({args.attempts_per_row:g} per row); its rejections: "
@@ -488,10 +501,18 @@ def summarize(config, stats, nxt, runs) -> dict:
     return {"config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
 
 
-def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
+class Stopped(Exception):
+    """SIGTERM, raised in the main thread: the rows written so far stay, the run is recorded."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped("SIGTERM")
+
+
+def generate_rows(synth, stats, want, nxt, args, sink, bar, record):
     """One engine run, topped up with new candidates as rows come back, until each stream has its rows or its
-    attempts; rows are written in index order per stream. -> rows written."""
-    written, issued, last_record = 0, dict(nxt), time.time()
+    attempts; rows are written in index order per stream, counted in synth.written."""
+    issued, last_record = dict(nxt), time.time()
     done = {s: {} for s in STREAMS}  # finished items by index, until every lower index is written
     synth.judge_next = nxt["self"]
     window = WINDOW_PER_SLOT * args.batch_size
@@ -516,7 +537,6 @@ def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
             issued[s] += 1
 
     def write_finished():
-        nonlocal written
         for it in synth.finished:
             done[it.stream][it.index] = it
         synth.finished.clear()
@@ -527,7 +547,7 @@ def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
                 F.count(stats[s], it.row, it.reason)
                 nxt[s] += 1
                 if not it.reason:
-                    written += 1
+                    synth.written += 1
                     bar.update(1)
             if stats[s]["kept"] >= want[s]:
                 done[s].clear()  # past the stream's last row: not written, so a larger --num regenerates it the same
@@ -545,7 +565,6 @@ def generate_rows(synth, stats, want, nxt, args, sink, bar, record) -> int:
             record()
             last_record = time.time()
     record()
-    return written
 
 
 if __name__ == "__main__":

@@ -241,6 +241,33 @@ def test_resume_equals_one_run(tmp_path, qwen3_dir, scripted):
     assert synth(qwen3_dir, b, 40, *mix)["runs"] == one["runs"]  # complete: nothing to do, nothing written
 
 
+def test_sigterm_records_the_run_and_a_rerun_goes_on(tmp_path, qwen3_dir, scripted, monkeypatch):
+    """A SIGTERM part-way (as `timeout` sends): the rows written stay, the run is recorded as stopped with its rows
+    and tokens, and rerunning the same command ends with the files of one uninterrupted run."""
+    import os
+    import signal
+    run, results = ScriptedEngine.run, []
+
+    def run_then_term(self, pending, **kw):
+        for out in run(self, pending, **kw):
+            results.append(out)
+            if len(results) == 30:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield out
+    monkeypatch.setattr(ScriptedEngine, "run", run_then_term)
+    out, one = tmp_path / "s.jsonl", tmp_path / "one.jsonl"
+    stats = synth(qwen3_dir, out, 40)
+    last = stats["runs"][-1]
+    assert last["stopped"] == "SIGTERM" and 0 < last["rows"] < 40 and last["generated_tokens"] > 0
+    assert len(read_jsonl(out)) == last["rows"] == stats["kept"]
+    assert signal.getsignal(signal.SIGTERM) is not syn._on_sigterm  # the handler is the caller's again
+    monkeypatch.setattr(ScriptedEngine, "run", run)
+    again = synth(qwen3_dir, out, 40)
+    assert again["kept"] == 40 and "stopped" not in again["runs"][-1]
+    synth(qwen3_dir, one, 40)
+    assert by_id(out) == by_id(one) and by_id(syn.rejected_path(out)) == by_id(syn.rejected_path(one))
+
+
 def test_rows_do_not_depend_on_the_window(tmp_path, qwen3_dir, scripted):
     """--batch-size sets how many candidates are in flight (and so the completion order): the rows and rejections
     written are the same for 1 and 7 slots."""
