@@ -66,7 +66,8 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 MAX_ANCHORS = 512           # blocks per micro-batch (anchors sampled without replacement, fresh every step)
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # loss weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
-LOSS_WEIGHTING = "exp"      # exp (exp(-(k-1)/GAMMA), the paper's) | dpace (D-PACE, vLLM speculators' default)
+LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 7)
+                            # | exp (exp(-(k-1)/GAMMA), the paper's)
 DPACE_ALPHA = 0.5           # D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
 NOISE = 0.0                 # uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
 CE_CHUNK = 4096             # rows of [rows, vocab] logits alive at once in the loss (0 = unchunked, tests only)
@@ -74,7 +75,7 @@ CE_CHUNK = 4096             # rows of [rows, vocab] logits alive at once in the 
 # --- data -----------------------------------------------------------------------------------------------------------
 TOKEN_BUDGET = 16384        # tokens per micro-batch, padding included (target forward is [b, S] padded)
 MAX_BATCH_SIZE = 64         # sequences per micro-batch
-EPOCHS = 6                  # passes over the data
+EPOCHS = 6                  # passes over the data (when MAX_STEPS is 0)
 ALLOW_DATA_CHANGE = False   # resume even if the dataset changed (the LR schedule is re-planned over the new total)
 
 # --- optimisation ---------------------------------------------------------------------------------------------------
@@ -83,7 +84,8 @@ LR = 6e-4                   # peak learning rate (AdamW, fp32 master weights)
 WARMUP_RATIO = 0.04         # fraction of the run spent in linear warmup, then cosine to 0
 WEIGHT_DECAY = 0.0          # AdamW weight decay (0.0 - 0.01)
 GRAD_CLIP = 1.0             # max global grad norm
-MAX_STEPS = 0               # optimizer steps of the run; 0 = EPOCHS over the data (the schedule spans the run)
+MAX_STEPS = 0               # optimizer steps of the run, repeating the data as needed (EPOCHS is then unused); 0 =
+                            # EPOCHS over the data. The LR schedule spans the run
 
 # --- topology and hardware --------------------------------------------------------------------------------------------
 TARGET_RANKS = 1            # the first TARGET_RANKS ranks run the target, the rest train the drafter

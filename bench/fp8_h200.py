@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -243,6 +244,14 @@ PARTS = {"limits": (part_limits, 15), "split": (part_split, 0), "target": (part_
          "drafter": (part_drafter, 110), "trainer": (part_trainer, 120)}   # name: (function, seconds it needs)
 
 
+class PartTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise PartTimeout("over the budget")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
@@ -270,6 +279,10 @@ def main(argv=None):
                 emit(res, name, f"SKIPPED: {left:.0f} s of the {args.budget_s:.0f} s budget left, it needs ~{need} s")
                 continue
             t0 = time.time()
+            # a part that overruns the budget is stopped (the DRAFTER_FP8 drafter part once ran > 380 s of a
+            # 240 s budget); SIGALRM reaches Python code, such as torch.compile, between C calls
+            signal.signal(signal.SIGALRM, _alarm)
+            signal.alarm(max(1, int(left)))
             try:
                 if name == "trainer":
                     fn(res, c, args, timeout=max(60.0, left))
@@ -279,9 +292,13 @@ def main(argv=None):
                     fn(res, c)
             except Exception as err:  # noqa: BLE001 - one part's failure must not lose the others' figures
                 traceback.print_exc()
-                emit(res, name, f"ERROR {type(err).__name__}: {str(err)[:500]}")
+                emit(res, name, f"ERROR {type(err).__name__} after {time.time() - t0:.0f} s: {str(err)[:500]}")
+            finally:
+                signal.alarm(0)
             print(f"({name}: {time.time() - t0:.0f} s)", flush=True)
             c.free()
+            if args.json:   # after every part: a run killed later keeps the figures so far
+                Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     finally:
         for k, v in saved.items():
             setattr(td, k, v)

@@ -98,7 +98,9 @@ fi
 if want fp8prep; then
 stage "fp8+prep"
 fp8_pid=
-[ "${SMOKE:-0}" = 1 ] || { ( $PY -m bench.fp8_h200 --budget-s "${FP8_SECONDS:-200}" --json "$OUT/fp8.json" \
+# the budget bounds each part from inside; timeout bounds a part stuck in a C call
+[ "${SMOKE:-0}" = 1 ] || { ( timeout -s KILL $(( FP8_SECONDS + 30 )) $PY -m bench.fp8_h200 --budget-s "$FP8_SECONDS" \
+    --json "$OUT/fp8.json" \
     > "$OUT/fp8.txt" 2>&1 ) & fp8_pid=$!; }
 Q prep
 [ -n "$fp8_pid" ] && wait $fp8_pid && grep -v "Loading" "$OUT/fp8.txt" | tail -25

@@ -153,7 +153,9 @@ class Schedule:
     step i consumes g0 + i*per_step .. g0 + (i+1)*per_step - 1, and drafter d takes those with
     (g - g0) % per_step % n_drafters == d. The LR is a function of data progress g / planned_g, so a run resumed with
     another target:drafter split (another per_step) continues at the same micro-batch with the same LR.
-    total_g: the LR schedule's length (a resume's planned_g); None plans epochs x num_batches, capped by max_steps."""
+    total_g: the LR schedule's length (a resume's planned_g); None plans max_steps optimizer steps when max_steps is
+    set (the data repeats as often as that needs, as HF Trainer's max_steps overrides its epochs), else epochs x
+    num_batches."""
 
     def __init__(self, num_batches, n_targets, n_drafters, grad_accum, lr, warmup_ratio, epochs, max_steps=0,
                  start_g=0, total_g=None):
@@ -161,9 +163,7 @@ class Schedule:
         self.grad_accum, self.peak_lr, self.warmup_ratio = grad_accum, lr, warmup_ratio
         self.per_step = n_drafters * grad_accum
         if total_g is None:   # a fresh plan (a resume keeps the checkpoint's, unless data or length settings changed)
-            total_g = epochs * num_batches
-            if max_steps:
-                total_g = min(total_g, max_steps * self.per_step)
+            total_g = max_steps * self.per_step if max_steps else epochs * num_batches
         self.planned_g = total_g                                               # the LR schedule's length
         self.steps = (total_g - start_g) // self.per_step                      # optimizer steps left
         self.total_g = start_g + self.steps * self.per_step                    # last micro-batch consumed + 1

@@ -79,3 +79,12 @@ def test_lr_never_exceeds_the_peak(steps, ratio, per_step):
     assert all(x >= 0 for x in lrs)
     if ratio * s.planned_g >= 2 * per_step:   # a real warmup: it rises, then the cosine falls
         assert lrs[0] < lrs[len(lrs) // 10 + 1] or lrs[0] < max(lrs)
+
+
+def test_max_steps_is_the_run_length_whatever_the_epochs():
+    """MAX_STEPS set: the run takes that many optimizer steps, the data repeating as often as needed (a 10-batch
+    epoch, EPOCHS=1, 25 steps of 2 micro-batches = 5 passes); MAX_STEPS=0: EPOCHS passes."""
+    s = Schedule(10, 1, 1, grad_accum=2, lr=td.LR, warmup_ratio=0.0, epochs=1, max_steps=25)
+    assert (s.steps, s.planned_g) == (25, 50)
+    s = Schedule(10, 1, 1, grad_accum=2, lr=td.LR, warmup_ratio=0.0, epochs=3, max_steps=0)
+    assert (s.steps, s.planned_g) == (15, 30)
