@@ -5,7 +5,8 @@
 A row is rejected for the first reason that applies, checked in this order (the reason codes in the stats):
   empty_user, truncated_user    a user turn that is blank, or was cut at the prompt cap (`user_finish_reasons`
                                 "length", written by data.synthesize: the model never ended its message)
-  repetition                    a turn that loops: too many repeated word 4-grams, or one line over and over
+  repetition                    a turn that loops: too many repeated word 4-grams, one line over and over, or text
+                                that compresses too well (a run of emoji or symbols the word checks cannot see)
   heldout_copy, heldout_near    a user turn equal (normalised) or nearly equal (MinHash) to an evaluation prompt
                                 (data/default/eval_prompts.jsonl and every --heldout file): evaluation stays held out
   duplicate, near_duplicate     the first user turn equals / nearly equals that of a row admitted before it
@@ -23,6 +24,7 @@ import argparse
 import hashlib
 import json
 import re
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -38,6 +40,12 @@ MAX_REPEATED_NGRAM_SHARE = 0.5  # share of a turn's word 4-grams that repeat an 
 MIN_LINE_CHARS = 16            # lines shorter than this (`}`, `---`, blank) may repeat freely
 MAX_SAME_LINE = 4              # the same line (>= MIN_LINE_CHARS, normalised) this many times in a turn: a loop.
                                # 12 of the 1,811 stopped answers above reach it, 91 of the 493 length-capped ones.
+MIN_ZLIB_BYTES = 256           # turns at least this long (UTF-8 bytes) are also checked for compressibility
+MIN_ZLIB_RATIO = 0.12          # zlib-compressed / raw size below this: a loop the word filters cannot see (a run of
+                               # emoji or symbols is one "word", or none). The 1,250 stopped SmolLM2 answers >= 256
+                               # bytes in data/default/smollm2_regen.jsonl: min 0.142, p1 0.257, none below 0.12; 127
+                               # of its 493 length-capped ones are below. In 200 self-written rows of the H200 run,
+                               # 4 emoji loops (0.067-0.090) passed the word filters
 SHINGLE_WORDS = 3              # words per MinHash shingle; a text with fewer words is one shingle
 NUM_PERM = 128                 # MinHash permutations: the Jaccard estimate's error is about 1/sqrt(128) = 0.09
 NEAR_DUP_JACCARD = 0.8         # user turns at least this similar are near duplicates: a reworded copy of the same
@@ -80,8 +88,14 @@ def max_line_repeats(text: str) -> int:
     return max(counts.values(), default=0)
 
 
+def zlib_ratio(text: str) -> float:
+    raw = text.encode()
+    return len(zlib.compress(raw)) / len(raw) if raw else 1.0
+
+
 def loops(text: str) -> bool:
-    return repeated_ngram_share(text) > MAX_REPEATED_NGRAM_SHARE or max_line_repeats(text) >= MAX_SAME_LINE
+    return (repeated_ngram_share(text) > MAX_REPEATED_NGRAM_SHARE or max_line_repeats(text) >= MAX_SAME_LINE
+            or (len(text.encode()) >= MIN_ZLIB_BYTES and zlib_ratio(text) < MIN_ZLIB_RATIO))
 
 
 # --- rows -----------------------------------------------------------------------------------------------------------

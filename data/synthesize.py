@@ -333,7 +333,8 @@ def run_config(args, tok) -> dict:
             "mix": file_hash(args.mix) if args.mix else None,
             "heldout": [file_hash(p) for p in [F.HELDOUT_DEFAULT, *args.heldout]],
             "filters": {k: getattr(F, k) for k in ("REPEAT_NGRAM", "MAX_REPEATED_NGRAM_SHARE", "MIN_LINE_CHARS",
-                                                   "MAX_SAME_LINE", "SHINGLE_WORDS", "NUM_PERM", "NEAR_DUP_JACCARD",
+                                                   "MAX_SAME_LINE", "MIN_ZLIB_BYTES", "MIN_ZLIB_RATIO",
+                                                   "SHINGLE_WORDS", "NUM_PERM", "NEAR_DUP_JACCARD",
                                                    "HELDOUT_JACCARD")}}
 
 

@@ -67,6 +67,8 @@ def hand_made_rows():
         (row(LOOP, "Fine."), "repetition"),
         (row("Give me three tips for sleeping better at night when I am stressed.", LOOP), "repetition"),
         (row("Line\n" + "print('the same line over and over')\n" * 5, "ok"), "repetition"),
+        # an emoji loop (as SmolLM2 wrote one): no word repeats, no line repeats; it compresses to ~7%
+        (row("My webcam isn't detected.", "Ladadad! \U0001f32a\U0001f31f" + "\U0001f30d" * 120), "repetition"),
         (row(HELDOUT.upper().replace(" ", "  "), "Aloha!"), "heldout_copy"),
         (row(HELDOUT.replace("recent trip", "recent family trip"), "Aloha!"), "heldout_near"),
         (row("  " + good.lower() + " ", "Other answer."), "duplicate"),
@@ -105,7 +107,7 @@ def test_filters_command_and_heldout_file(tmp_path, capsys):
     assert stats["rejected"]["duplicate"] == stats["rejected"]["near_duplicate"] == 0 and stats["kept"] == 2
     assert json.loads((tmp_path / "out.jsonl.stats.json").read_text()) == stats
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 2
-    assert "kept 2 of 14" in capsys.readouterr().out
+    assert "kept 2 of 15" in capsys.readouterr().out
     (tmp_path / "bad.jsonl").write_text('{"messages": []}\n[1]\n')
     with pytest.raises(SystemExit, match="bad.jsonl:2"):
         F.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2.jsonl")])
