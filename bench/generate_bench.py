@@ -90,8 +90,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_config(model, slots, prompts, max_new, stop_ids, args, attention):
-    engine = Engine(model, max_batch=slots, max_len=args.max_len, seed=0, attention=attention)
+def run_config(model, slots, prompts, max_new, stop_ids, args, attention, sampler="eager"):
+    engine = Engine(model, max_batch=slots, max_len=args.max_len, seed=0, attention=attention,
+                    compile_sampler=sampler == "compiled")
     dev = model.device
     # warm-up on a few prompts: graph capture and first-call costs stay out of the timing
     list(engine.generate(prompts[:slots], max_new_tokens=4, temperature=args.temperature, stop_ids=stop_ids))
@@ -117,9 +118,10 @@ def run_config(model, slots, prompts, max_new, stop_ids, args, attention):
     step_ms = (time.perf_counter() - t1) / 20 * 1e3
     peak = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else 0.0
     new = max_new if isinstance(max_new, int) else sum(max_new) / len(max_new)
-    print(f"engine {attention:6s} slots {slots:5d} | prompt {sum(map(len, prompts)) / len(prompts):6.0f} tok | new {new:5.0f} tok "
-          f"| {n_tok / seconds:9,.0f} tok/s | {n_conv / seconds:7.1f} conv/s | step {step_ms:6.2f} ms (L={bucket}) "
-          f"| wall/step {seconds / steps * 1e3:6.2f} ms | busy {n_tok / (steps * slots):4.0%} | peak {peak:6.1f} GiB | {seconds:5.1f} s", flush=True)
+    print(f"engine {attention:6s} {sampler:8s} slots {slots:5d} | prompt {sum(map(len, prompts)) / len(prompts):6.0f} "
+          f"tok | new {new:5.0f} tok | {n_tok / seconds:9,.0f} tok/s | {n_conv / seconds:7.1f} conv/s | step "
+          f"{step_ms:6.2f} ms (L={bucket}) | wall/step {seconds / steps * 1e3:6.2f} ms | busy "
+          f"{n_tok / (steps * slots):4.0%} | peak {peak:6.1f} GiB | {seconds:5.1f} s", flush=True)
 
 
 def main(argv=None):
@@ -135,6 +137,8 @@ def main(argv=None):
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--attention", default="sdpa", help="comma-separated decode attentions (sdpa, matmul), one "
                                                         "config each")
+    ap.add_argument("--sampler", default="eager", help="comma-separated: eager, compiled (torch.compile of the "
+                                                       "decode step's draw; --temperature > 0), one config each")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--hf", type=int, default=0, help="also time transformers' generate on this many prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,10 +162,12 @@ def main(argv=None):
             prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
         max_new = new_lo if new_lo == new_hi else [rng.randint(new_lo, new_hi) for _ in range(n)]
         for attention in args.attention.split(","):
-            try:
-                run_config(model, slots, prompts, max_new, stop_ids, args, attention)
-            except torch.cuda.OutOfMemoryError as e:
-                print(f"engine {attention} slots {slots:5d} | OOM ({str(e).splitlines()[0][:120]})", flush=True)
+            for sampler in args.sampler.split(","):
+                try:
+                    run_config(model, slots, prompts, max_new, stop_ids, args, attention, sampler)
+                except Exception as e:  # noqa: BLE001 - OOM or a failed compile: report it, go on to the next
+                    print(f"engine {attention} {sampler} slots {slots:5d} | {type(e).__name__} "
+                          f"({str(e).splitlines()[0][:120] if str(e) else ''})", flush=True)
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()

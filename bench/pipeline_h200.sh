@@ -8,8 +8,8 @@
 # The job runs from a snapshot of the tree taken at start (later calls re-send the tree; a running script must not
 # change under bash), except the eval stage, which snapshots the tree again when it starts: code sent by a poll
 # call in the meantime is what it runs. Stages, each bounded, the whole by DEADLINE seconds:
-#   ab     the engine on the real SmolLM2 at 1024 slots: decode attention sdpa vs matmul (-> ATTN), then the
-#          faster one at 2048 slots (-> SLOTS); bench.generate_bench
+#   ab     the engine on the real SmolLM2 at 1024 slots: decode attention sdpa vs matmul, sampler eager vs
+#          compiled (-> ATTN, SAMPLER), then the fastest at 2048 slots (-> SLOTS); bench.generate_bench
 #   gen    data.synthesize, NUM conversations, GEN_SECONDS at most (resumable); the GPU tests run beside it
 #   fp8    bench.fp8_h200 (FP8 and the one-process trainer with COMPILE_TARGET), beside data.prepare
 #   prep   the curve's data sizes
@@ -68,22 +68,24 @@ Q() { PART="$1" bash bench/quality_h200.sh; }
 AB=(--slots 1024 --prompts 2048 --new 256); AB2=(--slots 2048 --prompts 4096 --new 256)
 [ "${SMOKE:-0}" = 1 ] && AB=(--slots 4 --prompts 8 --new 8 --device cpu) && AB2=(--slots 8 --prompts 8 --new 8 --device cpu)
 
-ATTN=${ATTN:-sdpa} SLOTS=${SLOTS:-1024}
+ATTN=${ATTN:-sdpa} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-1024}
 if want ab; then
 stage ab
-$PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention sdpa,matmul \
+$PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention sdpa,matmul --sampler eager,compiled \
     --temperature 0.6 2>&1 | grep -v Loading | tee "$OUT/engine_ab.txt"
-rate() { awk -v a="${1:-}" '/^engine/ && (a == "" || $2 == a) {for (i = 2; i <= NF; i++) if ($i == "tok/s") {
-    r = $(i - 1); gsub(",", "", r); if (r + 0 > best) {best = r + 0; at = $2; slots = $4}}} END {print at, slots}' "$OUT/engine_ab.txt"; }
-read -r ATTN _ <<< "$(rate)"
-ATTN=${ATTN:-sdpa}
-$PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" \
+# the fastest line (of one attention + sampler when given): "attention sampler slots"
+rate() { awk -v a="${1:-}" -v m="${2:-}" '/^engine/ && (a == "" || ($2 == a && $3 == m)) {
+    for (i = 2; i <= NF; i++) if ($i == "tok/s") { r = $(i - 1); gsub(",", "", r)
+        if (r + 0 > best) {best = r + 0; at = $2; sm = $3; slots = $5}}} END {print at, sm, slots}' "$OUT/engine_ab.txt"; }
+read -r ATTN SAMPLER _ <<< "$(rate)"
+ATTN=${ATTN:-sdpa} SAMPLER=${SAMPLER:-eager}
+$PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" --sampler "$SAMPLER" \
     --temperature 0.6 2>&1 | grep -v Loading | tee -a "$OUT/engine_ab.txt"
-read -r _ SLOTS <<< "$(rate "$ATTN")"
+read -r _ _ SLOTS <<< "$(rate "$ATTN" "$SAMPLER")"
 SLOTS=${SLOTS:-1024}
 fi
-export ATTN SLOTS
-say "engine: attention $ATTN, $SLOTS slots"
+export ATTN SAMPLER=${SAMPLER:-eager} SLOTS
+say "engine: attention $ATTN, sampler $SAMPLER, $SLOTS slots"
 
 if want gen; then
 stage gen

@@ -68,6 +68,7 @@ part_gen() {
     timeout -s TERM "${GEN_SECONDS:-100000}" $PY -m data.synthesize --model "$SMOL" --num "$NUM" --out "$GEN" --seed 0 \
         --mix data/default/train_prompts.jsonl --mix-ratio 0.02 --max-new-tokens "$NEW" --prompt-tokens "$PTOK" \
         --temperature 0.6 --prompt-temperature 1.0 --batch-size "$SLOTS" --attention "${ATTN:-sdpa}" \
+        $( [ "${SAMPLER:-eager}" = compiled ] && echo --compile-sampler ) \
         --device "$DEV" --dtype "$DT" \
         2>&1 | tr '\r' '\n' | grep -v "^synthesize: *[0-9]*%|" | tail -40 || say "synthesize stopped (rc $?): rerun PART=gen to go on"
     say "rows in $GEN: $(wc -l < "$GEN")"

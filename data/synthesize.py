@@ -3,7 +3,7 @@
     python -m data.synthesize --model PATH --num N --out FILE.jsonl [--seed S] [--turns 1|2] [--system TEXT]
         [--mix data/default/train_prompts.jsonl --mix-ratio 0.02] [--max-new-tokens 384] [--prompt-tokens 128]
         [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--attention sdpa|matmul]
-        [--device auto] [--dtype auto]
+        [--compile-sampler] [--device auto] [--dtype auto]
 
 An instruction-tuned model given only its template's opening of a user turn (`<|im_start|>user\\n` after the default
 system turn; found by rendering a sentinel user message and taking the text before it) writes a plausible user
@@ -35,8 +35,8 @@ index of its stream is, so a stop loses at most the candidates in flight; a SIGT
 only once every lower index's opener was, so the verdicts are those of one pass in index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks
 its newline is kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
 mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
---batch-size, --attention, --device and --dtype may change (a bf16 run samples slightly different rows than an fp32
-one).
+--batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples slightly different
+rows than an fp32 one, and a compiled sampler's float logs may round differently from eager).
 
 A stream that has tried ATTEMPTS_PER_ROW (--attempts-per-row) candidates per row it must supply stops there, short,
 with the reasons printed: more attempts would not help a model whose prompts the filters keep rejecting.
@@ -301,7 +301,7 @@ def load_engine(args, max_len):
     model, _ = load_model(args.model, device=args.device, dtype=args.dtype)  # the tokenizer is load_tokenizer's
     try:
         return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed,
-                      attention=args.attention), model
+                      attention=args.attention, compile_sampler=args.compile_sampler), model
     except ValueError as e:  # a model the engine does not run
         raise SystemExit(f"synthesize: {e}")
 
@@ -384,6 +384,8 @@ def parse_args(argv):
     ap.add_argument("--batch-size", type=int, default=256, help="engine slots (sequences decoded together)")
     ap.add_argument("--attention", default="sdpa", choices=["sdpa", "matmul"],
                     help="the engine's decode attention (bench.generate_bench --attention sdpa,matmul compares them)")
+    ap.add_argument("--compile-sampler", action="store_true",
+                    help="torch.compile the decode step's sampler (bench.generate_bench --sampler eager,compiled)")
     ap.add_argument("--heldout", type=Path, action="append", default=[],
                     help=f"more evaluation prompts to keep out (always: {F.HELDOUT_DEFAULT.name})")
     ap.add_argument("--attempts-per-row", type=float, default=ATTEMPTS_PER_ROW,
@@ -467,7 +469,7 @@ def main(argv=None) -> dict:
         runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens,
                      "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
                      "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
-                     "attention": args.attention, "device": args.device, "dtype": args.dtype,
+                     "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device, "dtype": args.dtype,
                      **({"stopped": stopped} if stopped else {})})
         record()
         for s in STREAMS:

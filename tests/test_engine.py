@@ -116,6 +116,22 @@ def test_run_streams_follow_ups_and_mixes_temperatures():
         list(engine.run(deque([Request([1, 2], 3, 0.0), Request([3], 3, 0.5)]), stop_ids=[], sampled=False))
 
 
+@pytest.mark.slow  # ~20 s: one torch.compile of the sampler (on the GPU run by bench/throughput_h200.sh's tests)
+def test_compiled_sampler_draws_what_the_eager_one_draws():
+    """compile_sampler=True: the decode step's fused draw gives the same sampled and greedy rows as the eager one
+    (CUDA graphs on when a GPU is there), so it is only a speed switch."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("Qwen3").to(dev)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 14, 2, 9, 21, 7)]
+
+    def rows(compiled):
+        engine = Engine(model, max_batch=4, max_len=64, compile_sampler=compiled)
+        reqs = deque(Request(p, 12, 0.9 if i % 3 else 0.0, 50 + i, i) for i, p in enumerate(prompts))
+        return {r.tag: ids for r, ids, _ in engine.run(reqs, stop_ids=[], sampled=True)}
+    assert rows(True) == rows(False)
+
+
 @pytest.mark.parametrize("vary", ["key", "position"])
 def test_gumbel_sampler_matches_softmax(vary):
     """40,000 draws from one logits row, over consecutive keys (or positions): the counts pass a chi-square test
