@@ -312,7 +312,7 @@ def test_dpace_run_logs_both_losses(assets, tmp_path):
     rows = metrics(out)
     assert len(rows) == 2 and all(x["objective"] != x["loss"] for x in rows)
     assert all(f"loss={x['loss']:.3f} dpace={x['objective']:.3f} acc=" in r.stdout for x in rows), r.stdout
-    r = ok(run(1, base_args(target, data, tmp_path / "exp", MAX_STEPS=1)))
+    r = ok(run(1, base_args(target, data, tmp_path / "exp", LOSS_WEIGHTING="exp", MAX_STEPS=1)))
     row = metrics(tmp_path / "exp")[0]
     assert row["objective"] == row["loss"] and " dpace=" not in r.stdout
     assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)   # step 1: same weights, same yardstick
