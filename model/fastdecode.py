@@ -239,7 +239,7 @@ class DraftState:
         self.B, self.taps, self.dtype, self.config = block_size, list(c.target_layer_ids), p.dtype, c
         self.embed, self.lm_head = embed, lm_head
         L, nh, nkv, D = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.n_heads, self.n_kv = nh, nkv
+        self.n_heads, self.n_kv, self.group = nh, nkv, nh // nkv
         attns = [layer.self_attn for layer in self.drafter.layers]
         with torch.no_grad():
             # every layer's context keys and values from one matmul: rows (layer, k | v, kv head, D)
@@ -274,7 +274,13 @@ class DraftState:
 
     def propose(self, token, positions):
         """token [1] at positions[0], positions [B] of the block -> draft ids [B-1] (argmax of slots 1..B-1),
-        given the context rows before the block: Drafter.step with the masks built once as additive biases."""
+        given the context rows before the block."""
+        h = self.hidden(token, positions)                                                 # [B, H]
+        return self.lm_head(h[1:].to(self.lm_head.weight.dtype)).argmax(-1)
+
+    def hidden(self, token, positions):
+        """-> the drafter's output states [B, H] of the block [token, MASK x (B-1)]: Drafter.step with the masks
+        built once as additive biases."""
         c = self.config
         emb = self.embed(torch.cat([token, self.masks])).to(self.dtype)                 # [B, H]
         cos, rot_sin = self.cos[positions][:, None], self.rot_sin[positions][:, None]   # [B, 1, D]
@@ -282,22 +288,26 @@ class DraftState:
         masks = {"full_attention": additive_mask(visible, self.zero, self.neg_inf)[None]}      # [1, max_len + B]
         if "sliding_attention" in c.layer_types:
             dist = positions[:, None] - torch.cat([self.positions, positions])[None]             # [B, max_len + B]
-            masks["sliding_attention"] = additive_mask((dist >= 0) & (dist < c.sliding_window) & visible,
-                                                       self.zero, self.neg_inf)
+            sliding = (dist >= 0) & (dist < c.sliding_window) & visible
+            masks["sliding_attention"] = additive_mask(sliding, self.zero, self.neg_inf).repeat(self.group, 1)
         x = emb
         for l, (layer, kind) in enumerate(zip(self.drafter.layers, c.layer_types)):
             x = self._layer(l, layer, x, cos, rot_sin, masks[kind])
-        h = self.drafter.norm(x)                                                          # [B, H]
-        return self.lm_head(h[1:].to(self.lm_head.weight.dtype)).argmax(-1)
+        return self.drafter.norm(x)
 
     def _layer(self, l, layer, x, cos, rot_sin, mask):
-        """DecoderLayer.step of layer l against the cache: x [B, H] -> [B, H], q_norm and k_norm as one norm and
-        q and k roped in one pass."""
+        """DecoderLayer.step of layer l against the cache: x [B, H] -> [B, H], q_norm and k_norm as one norm, q and
+        k roped in one pass. mask: additive, [1, max_len + B] or [group*B, max_len + B] (a row per folded query)."""
         attn, M, D = layer.self_attn, x.shape[0], self.config.head_dim
         h = layer.input_layernorm(x)
         qk = torch.cat([attn.q_proj(h).view(M, self.n_heads, D), attn.k_proj(h).view(M, self.n_kv, D)], dim=1)
         qk = rope(drafter_lib.rms_norm(qk, self.qk_norm_w[l], self.config.rms_norm_eps), cos, rot_sin)  # [B, nh+nkv, D]
-        k = torch.cat([self.kv[:, l, 0], qk[:, self.n_heads:]])                          # [max_len + B, nkv, D]
-        v = torch.cat([self.kv[:, l, 1], attn.v_proj(h).view(M, self.n_kv, D)])
-        x = x + attn._attend(qk[:, :self.n_heads], k, v, mask)
+        k = torch.cat([self.kv[:, l, 0], qk[:, self.n_heads:]]).transpose(0, 1)[None]   # [1, nkv, max_len + B, D]
+        v = torch.cat([self.kv[:, l, 1], attn.v_proj(h).view(M, self.n_kv, D)]).transpose(0, 1)[None]
+        # GQA as the target does it (a KV head's group * B queries), not SDPA's enable_gqa: the efficient CUDA
+        # kernel of some torch versions refuses enable_gqa, and fp32 then takes the math one (k and v repeated, the
+        # scores materialised: ~10 kernels)
+        q = qk[:, :self.n_heads].transpose(0, 1).reshape(1, self.n_kv, self.group * M, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                       # [1, nkv, group*B, D]
+        x = x + attn.o_proj(o.view(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D))
         return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -24,6 +24,7 @@ COMPONENTS = {
     "FastDecoder._layer": "target layers",
     "FastDecoder.forward": "target embed/mask/norm/head",
     "DraftState._layer": "drafter layers",
+    "DraftState.hidden": "drafter embed/mask/norm/head",
     "DraftState.propose": "drafter embed/mask/norm/head",
     "DraftState.write": "context-cache update",
     "FastDecoder._greedy_step": "acceptance/bookkeeping",
