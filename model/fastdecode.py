@@ -6,8 +6,8 @@ one CUDA graph per step kind (eval_dflash.py --method fast measures speedup with
     draft = fast.drafter(drafter, block_size=B)                      # a model.drafter.Drafter, its own static cache
     out = fast.speculative(prompt_ids, draft, max_new, eos)          # {"tokens": [...], "steps": [...]}
 
-The target runs the model's own submodules with data/engine.py's wiring (check_supported, qkv, the RoPE tables):
-per layer a static cache [1, kv_heads, max_len, head_dim], written by position; a query at position p attends to
+The target runs the model's own submodules with data/engine.py's wiring (check_supported, qkv, the RoPE tables;
+q and k roped in one pass by rope(), bit for bit the models' apply_rotary_pos_emb): per layer a static cache [1, kv_heads, max_len, head_dim], written by position; a query at position p attends to
 the keys at positions <= p. So a verify block at p..p+B-1 is causal inside itself and full over the prefix, and the
 entries a rejected draft wrote are simply overwritten by the next block (its first position is the first one not
 committed) before anything reads them: no crop. The drafter's context cache (model.drafter.Drafter.step's keys and
@@ -21,6 +21,33 @@ longest prefix of drafts equal to the target's argmax -> the drafter's context g
 next token is the target's argmax after the a accepted drafts, start += a + 1). The host reads back one small
 tensor per step (the next token; or the block's argmax ids and a) to cut at eos / max_new_tokens, as
 eval_dflash.speculative_decode does. The prompt prefill is one eager forward of the same code.
+
+Kernels per step (aten ops that do work, counted on the CPU by `python -m tools.count_ops`: SmolLM2-135M target,
+30 layers, a 5-layer drafter, B=16; before = commit b72f6aa). At batch 1 on a small model every kernel is a launch
+and little else, so the counts are the graph's node counts, not its time:
+
+| component                               | greedy before |    after | speculative before |    after |
+|-----------------------------------------|--------------:|---------:|-------------------:|---------:|
+| target layers (per layer)               |     1170 (39) | 930 (31) |          1230 (41) | 990 (33) |
+| target embed, mask, final norm, lm_head |            13 |       13 |                 14 |       14 |
+| drafter layers (per layer)              |             - |        - |           255 (51) | 195 (39) |
+| drafter embed, masks, RoPE, norm, head  |             - |        - |                 24 |       14 |
+| drafter context-cache update            |             - |        - |                 93 |       22 |
+| acceptance and bookkeeping              |             3 |        2 |                 13 |       10 |
+| total                                   |          1186 |      945 |               1629 |     1245 |
+
+Where they went: SDPA turns a bool mask into 0 / -inf with 3 kernels in every layer (an additive mask built once
+per step instead); rotate_half's neg and q's and k's separate RoPE (one pass over q and k concatenated, the negation
+in the sin table); the drafter's q_norm and k_norm (one norm over its q and k heads), its RoPE tables (built once),
+its context K/V (every layer's k and v projection one matmul of concatenated weights, k_norm and RoPE batched over
+layers, one cache write instead of ten) and the out= writes of the acceptance. The drafter folds GQA into its
+queries as the target does (2 copies a layer on the CPU; on CUDA it keeps fp32 off SDPA's math kernel where the
+efficient one refuses enable_gqa). Every cut is the same arithmetic per element (tests/test_fastdecode.py checks
+the drafter's pieces bit for bit on the CPU). The verify of B tokens runs the greedy step's kernels plus 2 per layer
+(the copies that fold GQA into q's rows and unfold o). So the speculative step is 1.32x a greedy step in kernels
+(was 1.37x), yet it measured 2.7x on an H200 (11.0 vs 4.1 ms): the rest must be the kernels' own time at 16 rows
+(likely the fp32 matmuls, no longer matrix-vector, and the two 49152-column lm_heads), which counts cannot see;
+`python -m tools.count_ops --device cuda --profile 20` shows each op's device time.
 """
 import torch
 import torch.nn.functional as F

@@ -2,13 +2,15 @@
 replay's cost at batch 1 with a small model, where every kernel is launch-bound (SmolLM2-135M: 0.1 ms of weight
 reads per forward on an H200 against ~4 ms a greedy step).
 
-    python -m tools.count_ops [--target DIR] [--block-size 16] [--drafter-layers 5]
+    python -m tools.count_ops [--target DIR] [--block-size 16] [--drafter-layers 5] [--device cuda --profile 20]
 
-Runs one _greedy_step and one _spec_step eagerly on the CPU under a TorchDispatchMode after a short prompt's
-prefill, with a random drafter (op counts do not depend on weights: the steps have static shapes). Each op is
-charged to the innermost function of COMPONENTS on its Python stack. "kernels" counts the ops that do work;
-"views" the ones that only make a new tensor header (is_view, or in METADATA_OPS), which launch nothing on a GPU.
-An aten op is a kernel launch or a few: CPU SDPA, cuBLAS and the embedding differ in detail, the counts do not.
+Runs one _greedy_step and one _spec_step eagerly under a TorchDispatchMode after a short prompt's prefill, with a
+random drafter (op counts do not depend on weights: the steps have static shapes). Each op is charged to the
+innermost function of COMPONENTS on its Python stack. "kernels" counts the ops that do work; "views" the ones that
+only make a new tensor header (is_view, or in METADATA_OPS), which launch nothing on a GPU. An aten op is a kernel
+launch or a few: CPU SDPA, cuBLAS and the embedding differ in detail, the counts do not. What counts cannot show
+is a kernel's own duration (a 16-row fp32 matmul against a 1-row one): --profile N runs each step N times eagerly
+under torch.profiler and prints the ops by self time, on a GPU its kernels' device time.
 """
 import argparse
 import sys
@@ -82,7 +84,10 @@ def kernels(c: OpCounter) -> int:
     return sum(sum(v.values()) for (_, kind), v in c.counts.items() if kind == "kernels")
 
 
-def build(target, block_size, drafter_layers):
+PROMPT = list(range(1, 9))    # token ids of the prefill before the counted steps
+
+
+def build(target, block_size, drafter_layers, device="cpu"):
     """-> (FastDecoder after a prefill, DraftState with the prompt's context written)."""
     from transformers import AutoModelForCausalLM
     from model.drafter import Drafter, DrafterConfig
@@ -91,12 +96,29 @@ def build(target, block_size, drafter_layers):
     cfg = DrafterConfig.from_target(model.config, drafter_layers, block_size,
                                     mask_token_id=model.config.vocab_size - 1)
     torch.manual_seed(0)
-    fast = FastDecoder(model, 64)
-    d = fast.drafter(Drafter(cfg).eval(), block_size)
-    prompt = list(range(1, 9))
-    with torch.inference_mode():
-        d.write(fast._prefill(prompt, d.taps), fast.positions[:len(prompt)])
+    fast = FastDecoder(model.to(device), len(PROMPT) + 2 * block_size)
+    d = fast.drafter(Drafter(cfg).to(device).eval(), block_size)
+    with torch.no_grad():
+        d.write(fast._prefill(PROMPT, d.taps), fast.positions[:len(PROMPT)])
     return fast, d
+
+
+def profile(fast, step, n) -> str:
+    """step run n times eagerly under torch.profiler (each from the prompt's end: a step moves `start`) -> the
+    table of ops by self time (device time on a GPU), per step."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    cuda = fast.start.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad():
+        step()                                                   # lazy inits outside the profile
+        with torch_profile(activities=acts) as prof:
+            for _ in range(n):
+                fast.start.fill_(len(PROMPT))
+                step()
+            sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15)
 
 
 def main(argv=None):
@@ -104,9 +126,14 @@ def main(argv=None):
     ap.add_argument("--target", default=str(DEFAULT_TARGET), help="an HF folder (default: the SmolLM2 demo target)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--drafter-layers", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the counts are the same; --profile differs)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N eager runs of each step")
     a = ap.parse_args(argv)
-    fast, d = build(a.target, a.block_size, a.drafter_layers)
+    fast, d = build(a.target, a.block_size, a.drafter_layers, a.device)
     greedy, spec = count(fast._greedy_step), count(lambda: fast._spec_step(d))
+    if a.profile:
+        print(f"greedy step x {a.profile}\n{profile(fast, fast._greedy_step, a.profile)}\n")
+        print(f"speculative step x {a.profile}\n{profile(fast, lambda: fast._spec_step(d), a.profile)}\n")
     print(f"greedy step ({len(fast.layers)} target layers)\n{table(greedy)}\n")
     print(f"speculative step (B={d.B}, {d.config.num_hidden_layers} drafter layers)\n{table(spec)}\n")
     print(f"kernels: greedy {kernels(greedy)}, speculative {kernels(spec)} "
