@@ -1,9 +1,13 @@
 """model/fastdecode.py (eval_dflash --method fast) against the HF decode loop it stands in for: its greedy equals
 greedy_decode token for token (tiny Llama and Qwen3, SmolLM2 when present), its speculative loop equals
 speculative_decode in tokens and in tokens committed per step (random drafters, sliding layers, a briefly trained
-drafter that accepts often; eos and max_new_tokens cutting a block), and the CLI's result. CPU, fp32, eager: the
-CUDA-graph path replays these same step functions."""
+drafter that accepts often; eos and max_new_tokens cutting a block), and the CLI's result; its re-wired pieces equal
+what they stand in for bit for bit (RoPE, the drafter's step and context K/V), and its steps launch the kernels
+tools/count_ops.py says they do. CPU, fp32, eager: the CUDA-graph path replays these same step functions."""
+import importlib
 import json
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +15,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import SMOLLM2_DIR, TINY
+from data.engine import SUPPORTED
 from eval_dflash import DrafterProposer, encode_prompt, eos_ids, greedy_decode, main, speculative_decode, target_forward
+from model.drafter import DrafterCache, _apply_rope, rope_cos_sin
 from model.export import export_drafter
-from model.fastdecode import FastDecoder
+from model.fastdecode import DraftState, FastDecoder, rope, rotated_sin
+from tools import count_ops
 
 B = 4
 MAX_NEW = 40
@@ -208,3 +215,59 @@ def test_cuda_graphs_equal_eager_and_the_decode_loop(trained):
             assert graphs.greedy(p, MAX_NEW, set()) == eager.greedy(p, MAX_NEW, set()) == greedy_decode(
                 model, p, MAX_NEW, set())
     assert len(graphs.graphs) == 3                          # greedy + one per drafter
+
+
+def test_rope_is_the_models_own_bit_for_bit():
+    """rope() on q and k concatenated, with rotate_half's negation in the sin table, equals apply_rotary_pos_emb of
+    every SUPPORTED family and the drafter's _apply_rope exactly."""
+    torch.manual_seed(0)
+    n, D = 7, 16
+    cos, sin = rope_cos_sin(torch.arange(3, 3 + n), SimpleNamespace(head_dim=D, rope_theta=1e4, rope_scaling=None))
+    q, k = torch.randn(1, n, 4, D), torch.randn(1, n, 2, D)                                       # [1, n, heads, D]
+    qk = rope(torch.cat([q, k], dim=2), cos[None, :, None], rotated_sin(sin)[None, :, None])
+    for family in SUPPORTED:
+        hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+        want_q, want_k = hf(q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None])           # [1, heads, n, D]
+        assert torch.equal(qk[:, :, :4].transpose(1, 2), want_q) and torch.equal(qk[:, :, 4:].transpose(1, 2), want_k)
+    assert torch.equal(rope(q[0], cos[:, None], rotated_sin(sin)[:, None]), _apply_rope(q[0], cos, sin))
+
+
+@pytest.mark.parametrize("sliding", [0, 1])
+def test_draft_state_equals_drafter_step_and_context_kv_bit_for_bit(tiny_qwen3_dir, build_drafter, sliding):
+    """DraftState.write (every layer's context K/V from one matmul, one cache write) equals Drafter.context_kv,
+    and DraftState.hidden (fused q/k norm and RoPE, additive masks, GQA folded into the queries) equals
+    Drafter.step over the same static rows (ctx_valid), GQA and a sliding layer included."""
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B, sliding_window_layers=sliding,
+                      sliding_window=6 if sliding else None).eval()
+    torch.manual_seed(1)
+    c, T, max_len = d.config, 20, 32
+    embed, lm_head = torch.nn.Embedding(c.vocab_size, c.hidden_size), torch.nn.Linear(c.hidden_size, c.vocab_size)
+    state = DraftState(d, embed, lm_head, B, max_len)
+    feats, pos = torch.randn(T, c.num_taps * c.hidden_size), torch.arange(T)
+    with torch.no_grad():
+        state.write(feats, pos)
+        for l, (k, v) in enumerate(d.context_kv(feats, pos)):
+            assert torch.equal(state.kv[:T, l, 0], k) and torch.equal(state.kv[:T, l, 1], v)
+        static = DrafterCache(d)          # the same rows, as Drafter.step reads a static cache
+        static.kv, static.positions = [(state.kv[:, l, 0], state.kv[:, l, 1]) for l in range(2)], state.positions
+        for start in (5, 13, T):
+            block = torch.arange(start, start + B)
+            token = torch.tensor([start % c.vocab_size])
+            emb = embed(torch.cat([token, state.masks]))
+            want = d.step(static, emb, block, ctx_valid=state.positions < start)
+            assert torch.equal(state.hidden(token, block), want)
+
+
+def test_step_kernel_counts(tiny_llama_dir):
+    """tools/count_ops on a tiny Llama: no host sync in either step, the verify of B tokens runs the greedy step's
+    layer kernels plus the two layout copies of its q and o per layer, masks are built once per step (no `where`
+    in any layer), and the drafter's context K/V of all layers is one matmul and one cache write."""
+    fast, d = count_ops.build(str(tiny_llama_dir), B, 2)
+    greedy, spec = count_ops.count(fast._greedy_step), count_ops.count(lambda: fast._spec_step(d))
+    for c in (greedy, spec):
+        assert not {"_local_scalar_dense", "item"} & {op for ops in c.counts.values() for op in ops}
+    g, s = greedy.counts[("target layers", "kernels")], spec.counts[("target layers", "kernels")]
+    assert s - g == Counter(clone=2 * len(fast.layers)) and not g - s
+    assert s["where"] == 0 and spec.counts[("drafter layers", "kernels")]["where"] == 0
+    ctx = spec.counts[("context-cache update", "kernels")]
+    assert ctx["mm"] == 2 and ctx["index_copy_"] == 1                      # fc, then every layer's k and v
