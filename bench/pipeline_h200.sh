@@ -7,14 +7,18 @@
 #   call 3..: bash bench/pipeline_h200.sh poll 540     (waits up to 540 s or until the job is done; results to $OUT)
 # The job runs from a snapshot of the tree taken at start (later calls re-send the tree; a running script must not
 # change under bash), except the eval stage, which snapshots the tree again when it starts: code sent by a poll
-# call in the meantime is what it runs. Stages, each bounded, the whole by DEADLINE seconds:
+# call in the meantime is what it runs. Stages in order of what matters most (a lease that ends early loses the
+# last), each bounded, the whole by DEADLINE seconds:
 #   ab     the engine on the real SmolLM2 at 1024 slots: decode attention sdpa vs matmul, sampler eager vs
 #          compiled (-> ATTN, SAMPLER), then the fastest at 2048 slots (-> SLOTS); bench.generate_bench
 #   gen    data.synthesize, NUM conversations, GEN_SECONDS at most (resumable); the GPU tests run beside it
-#   fp8    bench.fp8_h200 (FP8 and the one-process trainer with COMPILE_TARGET), beside data.prepare
 #   prep   the curve's data sizes
-#   train  RUNS (bench/quality_h200.sh), TRAIN_SECONDS at most, checkpoints every SAVE_EVERY steps
+#   train  RUNS (bench/quality_h200.sh), TRAIN_SECONDS at most, checkpoints every SAVE_EVERY steps; STEPS must
+#          end inside it (a run cut by time is evaluated mid-schedule)
 #   eval   tau of every run at the largest checkpoint step all runs reached (equal steps), fast decode speed
+#   fp8    bench.fp8_h200 (FP8 and the one-process trainer with COMPILE_TARGET) in what is left, FP8_SECONDS at most
+# Measured on 2026-12-01 (BENCHMARKS.md sections 6, 7): 134 conv/s generated; five SmolLM2 runs side by side at
+# ~6.3 steps/s each (600 steps in 96 s); walk eval of 5 drafters x 204 prompts ~70 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/root/q}
@@ -50,13 +54,17 @@ if [ "${1:-}" = poll ]; then
 fi
 
 # --- the job (run from the snapshot) ---------------------------------------------------------------------------
-STAGES=${STAGES:-ab gen fp8prep train eval}
+STAGES=${STAGES:-ab gen prep train eval fp8}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-1350}
-# the runs' schedule (cosine to 0 over STEPS) must end inside the train stage's time: a run cut by TRAIN_SECONDS
-# is evaluated mid-schedule. 1,600 steps: seven SmolLM2 runs sharing one H200 at an estimated ~6 steps/s each
-export STEPS=${STEPS:-1600} SAVE_EVERY=${SAVE_EVERY:-200} FP8_SECONDS=${FP8_SECONDS:-240}
+export FP8_SECONDS=${FP8_SECONDS:-240} GEN_SECONDS=${GEN_SECONDS:-660}
+if [ "${SMOKE:-0}" != 1 ]; then   # (SMOKE=1: bench/quality_h200.sh's own tiny numbers)
+    # 2,000 steps: six SmolLM2 runs sharing one H200 at ~5 steps/s each end in ~400 s
+    export STEPS=${STEPS:-2000} SAVE_EVERY=${SAVE_EVERY:-250}
+    # the curve at the default recipe (D-PACE), the exp decay it replaced, and TARGET_FP8's tau cost, equal steps
+    export RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: exp:all:--LOSS_WEIGHTING=exp tfp8:all:--TARGET_FP8=1"}
+fi
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 say() { echo "[pipeline $(( $(date +%s) - T0 ))s] $*"; }
 stage() { echo "$1" > "$JOB/stage"; say "stage $1 ($(left) s left)"; }
@@ -91,26 +99,19 @@ if want gen; then
 stage gen
 tests_pid=
 [ "${SMOKE:-0}" = 1 ] || { ( ONLY=tests bash bench/throughput_h200.sh "$OUT/gpu" > "$OUT/gpu_tests.txt" 2>&1 ) & tests_pid=$!; }
-export GEN_SECONDS=${GEN_SECONDS:-600}
 Q gen
 head -n 200 "$WORK/gen/smollm2.jsonl" > "$OUT/gen_sample.jsonl"
 [ -n "$tests_pid" ] && wait $tests_pid && tail -4 "$OUT/gpu_tests.txt"
 fi
 
-if want fp8prep; then
-stage "fp8+prep"
-fp8_pid=
-# the budget bounds each part from inside; timeout bounds a part stuck in a C call
-[ "${SMOKE:-0}" = 1 ] || { ( timeout -s KILL $(( FP8_SECONDS + 30 )) $PY -m bench.fp8_h200 --budget-s "$FP8_SECONDS" \
-    --json "$OUT/fp8.json" \
-    > "$OUT/fp8.txt" 2>&1 ) & fp8_pid=$!; }
+if want prep; then
+stage prep
 Q prep
-[ -n "$fp8_pid" ] && wait $fp8_pid && grep -v "Loading" "$OUT/fp8.txt" | tail -25
 fi
 
 if want train; then
 stage train
-export TRAIN_SECONDS=$(( $(left) - ${EVAL_RESERVE:-150} ))
+export TRAIN_SECONDS=$(( $(left) - ${EVAL_RESERVE:-150} - ${FP8_RESERVE:-0} ))
 Q train
 fi
 
@@ -120,6 +121,14 @@ live=$(cat "$JOB/live_tree")
 rm -rf "$WORK/repo_eval" && cp -a "$live" "$WORK/repo_eval" && cd "$WORK/repo_eval"
 EQUAL_STEPS=1 Q eval
 cd - > /dev/null
+fi
+if want fp8; then
+stage fp8
+FP8_SECONDS=$(( $(left) < FP8_SECONDS ? $(left) : FP8_SECONDS ))
+# the budget bounds each part from inside; timeout bounds a part stuck in a C call
+[ "${SMOKE:-0}" = 1 ] || [ "$FP8_SECONDS" -lt 60 ] || timeout -s KILL $(( FP8_SECONDS + 30 )) $PY -m bench.fp8_h200 \
+    --budget-s "$FP8_SECONDS" --json "$OUT/fp8.json" > "$OUT/fp8.txt" 2>&1
+grep -v "Loading" "$OUT/fp8.txt" 2>/dev/null | tail -25
 fi
 stage done
 say "pipeline done"

@@ -466,7 +466,9 @@ def main(argv=None) -> dict:
             sink.close()
             bar.close()
         wall, n_written = time.time() - synth.t0, synth.written
-        runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens,
+        es = getattr(engine, "stats", {})  # busy: tokens per slot-step the engine ran (1.0: every slot, every step)
+        busy = round(es["generated"] / (es["decode_steps"] * engine.S), 3) if es.get("decode_steps") else None
+        runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
                      "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
                      "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
                      "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device, "dtype": args.dtype,
