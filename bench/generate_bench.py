@@ -10,7 +10,9 @@ model of a named real shape (built on the meta device, then materialised on the 
 lengths drawn uniformly from --prompt-len, no stop ids, so each request makes exactly its --new draw of tokens.
 One line per configuration: slots, prompt / new-token lengths (mean), generated tok/s, conversations/s, ms per
 decode step (pure replay of the largest bucket the run used, and wall time per step with prefill and host syncs),
-busy (tokens made / slot-steps run: idle slots while refills wait, and the drain at the end), peak GPU memory. A configuration that runs out of memory prints OOM and the next one runs.
+busy (tokens made / slot-steps run: idle slots while refills wait, and the drain at the end), peak GPU memory. A
+configuration that fails (out of memory, a failed compile) prints its error and the next one runs. --attention and
+--sampler take comma lists: one configuration per combination.
 """
 import argparse
 import gc
@@ -150,7 +152,8 @@ def main(argv=None):
         stop_ids, pad_id = default_stop_ids(model, tok), tok.pad_token_id or 0
     else:
         model, stop_ids, pad_id = random_model(args.shape, args.device), [], 0
-    print(f"generate_bench: {args.model or args.shape} on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"generate_bench: {args.model or args.shape} on {where}, "
           f"{model.dtype}, torch {torch.__version__}, temperature {args.temperature}", flush=True)
     for slots in [int(s) for s in args.slots.split(",")]:
         n = args.prompts or 4 * slots

@@ -27,13 +27,14 @@ judged only against those before it, so rows are the same however a run is cut i
 and restarted (with the same or a larger --num) reads back OUT and OUT.rejected.jsonl, rebuilds the filter state
 from them in index order, and goes on from the next index of each stream.
 
-Candidates stream through one engine run (data.engine.Engine.run): a conversation's next turn joins the running batch
-as soon as its previous one is done, so the batch stays full to the end instead of draining at every stage. At most
-WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is written (flushed; fsynced within a second) once every lower
-index of its stream is, so a stop loses at most the candidates in flight; a SIGTERM or Ctrl-C still records the run
-(rows, tokens, wall time) in OUT.stats.json and prints the final line. A self-written opener is judged for duplicates
-only once every lower index's opener was, so the verdicts are those of one pass in index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks
-its newline is kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
+Candidates stream through one engine run (data.engine.Engine.run): a conversation's next turn joins the running
+batch as soon as its previous one is done, so the batch stays full to the end instead of draining at every stage.
+At most WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is written (flushed; fsynced within a
+second) once every lower index of its stream is, so a stop loses at most the candidates in flight; a SIGTERM or
+Ctrl-C still records the run (rows, tokens, wall time) in OUT.stats.json and prints the final line. A self-written
+opener is judged for duplicates only once every lower index's opener was, so the verdicts are those of one pass in
+index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks its newline is
+kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
 mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
 --batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples slightly different
 rows than an fp32 one, and a compiled sampler's float logs may round differently from eager).
@@ -471,7 +472,8 @@ def main(argv=None) -> dict:
         runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
                      "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
                      "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
-                     "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device, "dtype": args.dtype,
+                     "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
+                     "dtype": args.dtype,
                      **({"stopped": stopped} if stopped else {})})
         record()
         for s in STREAMS:
@@ -488,7 +490,8 @@ def main(argv=None) -> dict:
             if want[s] or stats[s]["kept"]:
                 print(f"synthesize: {s}: {F.format_stats(stats[s])}")
         print(f"synthesize: wrote {n_written:,} rows to {args.out} in {wall:,.1f} s: {n_written / wall:,.2f} conv/s, "
-              f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates too; "
+              f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates "
+              f"too; "
               f"{time.time() - t_start:,.1f} s with loading)")
     else:
         print(f"synthesize: nothing to do ({kept0:,} rows >= {args.num:,})")
