@@ -9,8 +9,8 @@
 # change under bash), except the eval stage, which snapshots the tree again when it starts: code sent by a poll
 # call in the meantime is what it runs. Stages in order of what matters most (a lease that ends early loses the
 # last), each bounded, the whole by DEADLINE seconds:
-#   ab     the engine on the real SmolLM2 at 1024 slots: decode attention sdpa vs matmul, sampler eager vs
-#          compiled (-> ATTN, SAMPLER), then the fastest at 2048 slots (-> SLOTS); bench.generate_bench
+#   ab     the engine on the real SmolLM2 at 1024 slots, matmul attention: sampler eager vs compiled (-> SAMPLER),
+#          then the faster at 2048 slots (-> SLOTS); bench.generate_bench
 #   gen    data.synthesize, NUM conversations, GEN_SECONDS at most (resumable); the GPU tests run beside it
 #   prep   the curve's data sizes
 #   train  RUNS (bench/quality_h200.sh), TRAIN_SECONDS at most, checkpoints every SAVE_EVERY steps; STEPS must
@@ -18,7 +18,8 @@
 #   eval   tau of every run at the largest checkpoint step all runs reached (equal steps), fast decode speed
 #   fp8    bench.fp8_h200 (FP8 and the one-process trainer with COMPILE_TARGET) in what is left, FP8_SECONDS at most
 # Measured on 2026-12-01 (BENCHMARKS.md sections 6, 7): 134 conv/s generated; five SmolLM2 runs side by side at
-# ~6.3 steps/s each (600 steps in 96 s); walk eval of 5 drafters x 204 prompts ~70 s.
+# ~6.3 steps/s each (600 steps in 96 s); walk eval of 5 drafters x 204 prompts ~70 s. A 30-minute lease: the first
+# call may get no machine (~90 s), start + setup ~200 s, so DEADLINE 1350 leaves ~2 minutes to spare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/root/q}
@@ -58,10 +59,12 @@ STAGES=${STAGES:-ab gen prep train eval fp8}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-1350}
-export FP8_SECONDS=${FP8_SECONDS:-240} GEN_SECONDS=${GEN_SECONDS:-660}
+# the plan inside DEADLINE: ab ~80 s, gen 700 s (~94K conversations at 2026-12-01's 134 conv/s), prep ~75 s, train
+# ~215 s, eval ~150 s; FP8 gets what is left
+export FP8_SECONDS=${FP8_SECONDS:-240} GEN_SECONDS=${GEN_SECONDS:-700}
 if [ "${SMOKE:-0}" != 1 ]; then   # (SMOKE=1: bench/quality_h200.sh's own tiny numbers)
-    # 2,000 steps: six SmolLM2 runs sharing one H200 at ~5 steps/s each end in ~400 s
-    export STEPS=${STEPS:-2000} SAVE_EVERY=${SAVE_EVERY:-250}
+    # 1,200 steps: six SmolLM2 runs sharing one H200 at ~6 steps/s each (five did 600 in 96 s) end in ~215 s
+    export STEPS=${STEPS:-1200} SAVE_EVERY=${SAVE_EVERY:-200}
     # the curve at the default recipe (D-PACE), the exp decay it replaced, and TARGET_FP8's tau cost, equal steps
     export RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: exp:all:--LOSS_WEIGHTING=exp tfp8:all:--TARGET_FP8=1"}
 fi
@@ -79,7 +82,8 @@ AB=(--slots 1024 --prompts 2048 --new 256); AB2=(--slots 2048 --prompts 4096 --n
 ATTN=${ATTN:-sdpa} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-1024}
 if want ab; then
 stage ab
-$PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention sdpa,matmul --sampler eager,compiled \
+# SDPA is left out: 10% slower than matmul on 2026-12-01 (BENCHMARKS.md section 7)
+$PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention matmul --sampler eager,compiled \
     --temperature 0.6 2>&1 | grep -v Loading | tee "$OUT/engine_ab.txt"
 # the fastest line (of one attention + sampler when given): "attention sampler slots"
 rate() { awk -v a="${1:-}" -v m="${2:-}" '/^engine/ && (a == "" || ($2 == a && $3 == m)) {
