@@ -66,7 +66,7 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 MAX_ANCHORS = 512           # blocks per micro-batch (anchors sampled without replacement, fresh every step)
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # loss weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
-LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 7)
+LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 6)
                             # | exp (exp(-(k-1)/GAMMA), the paper's)
 DPACE_ALPHA = 0.5           # D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
 NOISE = 0.0                 # uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
