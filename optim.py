@@ -137,8 +137,8 @@ def scale_clip_(params, scale, max_norm: float, opt=None):
     scale: a 0-dim or [1] tensor on the gradients' device (no host sync). Returns the scaled norm, before clipping.
     With a fused torch optimizer as opt the gradients are left as they are and the factor goes to its next step
     (opt.grad_scale, which GradScaler uses too: the fused AdamW kernel divides each gradient by it as it reads it),
-    which saves a pass over every gradient; otherwise one foreach multiply. FSDP2's DTensor gradients: the norm is the
-global one (reduced over the shards), the factor the same on every rank."""
+    which saves a pass over every gradient; otherwise one foreach multiply. FSDP2's DTensor gradients: the norm is
+    the global one (reduced over the shards), the factor the same on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())

@@ -1261,8 +1261,8 @@ def whole_drafter(dcfg, state, device) -> Drafter:
 
 
 def evaluate(run, drafter):
-    """tau of the current drafter (run.drafter, or its whole copy when sharded) on EVAL_PROMPTS, on this rank; peers wait at the next collective, targets keep
-    filling the queues. The watchdog knows (its stall check pauses), and the HF target it loads in EVAL_DTYPE
+    """tau of the current drafter (run.drafter, or its whole copy when sharded) on EVAL_PROMPTS, on this rank; peers
+    wait at the next collective, targets keep filling the queues. The watchdog knows (its stall check pauses), and the HF target it loads in EVAL_DTYPE
     is freed afterwards (planner.py counts it in the drafter's peak)."""
     d, setup = run.d, run.eval_setup
     run.opt.wait_all()

@@ -565,9 +565,9 @@ def generate_rows(synth, stats, want, nxt, args, sink, bar, record):
     sampled = args.temperature > 0 or args.prompt_temperature > 0
     for req, ids, why in synth.engine.run(synth.pending, stop_ids=synth.stops, sampled=sampled):
         synth.took(req.tag, ids, why)
-        write_finished()
+        write_finished()   # first, so top_up sees the kept counts it tops up against
         top_up()
-        write_finished()
+        write_finished()   # new mix candidates rejected at once
         synth.post(bar)
         if time.time() - last_record > 10.0:
             record()

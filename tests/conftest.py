@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Qwen3 and Llama targets saved as local HF folders, and a drafter factory."""
+"""Shared fixtures: tiny random Qwen3 and Llama targets saved as local HF folders, a drafter factory, and the
+trainer tests' target + dataset (`assets`, one per test module; tests/runs.py builds them)."""
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,14 @@ def _save_tiny(cls_name, out, **extra):
     model = getattr(transformers, cls_name + "ForCausalLM")(cfg)
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """(target folder, prepared dataset) of tests/runs.py for the torchrun jobs of one test module."""
+    import runs
+    root = tmp_path_factory.mktemp("assets")
+    return runs.make_target(root / "target"), runs.make_dataset(root / "data")
 
 
 @pytest.fixture(scope="session")

@@ -100,6 +100,12 @@ def start(nproc, args, extra=()) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """r, asserted to have exited 0 (the end of its output in the message otherwise)."""
+    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}"
+    return r
+
+
 def metrics(out) -> list[dict]:
     path = Path(out) / "metrics.jsonl"
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []

@@ -35,12 +35,6 @@ ROLES = {"target": 0, "writer": 1, "drafter": 2}   # rank of each role; the firs
 
 # --- fixtures and helpers ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault_assets")
-    return runs.make_target(root / "target"), runs.make_dataset(root / "data")
-
-
 def args(assets, out, **kw):
     target, data = assets
     return runs.base_args(target, data, out, **{**RUN, **kw})

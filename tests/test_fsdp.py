@@ -26,12 +26,6 @@ RUN = dict(EPOCHS=3, LR=1e-2, GRAD_ACCUM=3, SAVE_EVERY=2, KEEP_LAST=10)
 STEPS = 5
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp_assets")
-    return runs.make_target(root / "target"), runs.make_dataset(root / "data")
-
-
 def job(assets, out, nproc=3, **kw):
     target, data = assets
     r = runs.run(nproc, runs.base_args(target, data, out, **{**RUN, **kw}))

@@ -20,12 +20,6 @@ STEPS = 5    # odd, with 2 target ranks: rank 0 makes 3 micro-batches, rank 1 tw
 TAPS = "1,3"   # 3 is the last layer: its tap is the decoder's normed output, which a sharded norm must give too
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shard_assets")
-    return runs.make_target(root / "target"), runs.make_dataset(root / "data")
-
-
 def args(assets, out, **kw):
     target, data = assets
     return runs.base_args(target, data, out, **{**dict(MAX_STEPS=STEPS, TARGET_LAYER_IDS=TAPS), **kw})

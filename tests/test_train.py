@@ -10,19 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import (MASK_ID, REPO, base_args, env, finish, losses, make_dataset, make_target, metrics, padded, run,
-                  start, wait_for, free_port)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_assets")
-    return make_target(root / "target"), make_dataset(root / "data")
-
-
-def ok(r):
-    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}"
-    return r
+from runs import (MASK_ID, REPO, base_args, env, finish, losses, make_dataset, make_target, metrics, ok, padded,
+                  run, start, wait_for, free_port)
 
 
 def packed_target_features(target_dir, lengths, input_ids):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import runs
-from runs import MASK_ID, base_args, make_dataset, make_target, metrics
+from runs import MASK_ID, base_args, make_dataset, make_target, metrics, ok
 from model.export import export_drafter
 
 
@@ -27,11 +27,6 @@ def export(target_dir, out, layers=1, block_size=4, seed=123, dtype=torch.float3
     d = Drafter(cfg)
     export_drafter(d, out, dtype=dtype)
     return d
-
-
-def ok(r):
-    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}"
-    return r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
