@@ -1209,6 +1209,12 @@ def status_line(run, meter, params, lr, now):
                "ddp_weight_spread": spread}
         if not meter.split_reported:
             meter.split_reported = report_split(peers, d, row)
+            if not meter.split_reported and step == run.total_steps and run.watchdog:
+                # a run shorter than a few heartbeats: the peers' busy clocks arrive with their next beats
+                end = time.monotonic() + 3 * run.watchdog.interval
+                while not meter.split_reported and time.monotonic() < end:
+                    time.sleep(0.2)
+                    meter.split_reported = report_split(run.watchdog.peer_states(), d, row)
         run.metrics.write(row)
         tau = f" tau={run.last_eval['tau']:.2f}" if run.last_eval else ""
         dpace = f" dpace={row['objective']:.3f}" if LOSS_WEIGHTING == "dpace" else ""
