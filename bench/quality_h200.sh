@@ -5,6 +5,11 @@
 #   PART=setup2  join the GGUF with .gguf/part-ab, convert it (tools.smollm2), engine == HF generate on SmolLM2
 #   PART=gen     data.synthesize: NUM conversations (self-written + MIX_RATIO shipped prompts), bounded by
 #                GEN_SECONDS (SIGTERM; rerun the part to go on: the run is resumable)
+#   PART=pack    the generated set ($GEN, its rejected rows and stats: what a resumed data.synthesize reads) as
+#                xz pieces of PIECE_BYTES in $WORK/home with a MANIFEST (sha256, rows), for bench/pipeline_h200.sh's
+#                poll to bring home: a later lease carries them back (.data/gen) and resumes instead of regenerating
+#   PART=unpack  copy the carried pieces of .data/gen to $WORK/home_in (one call may carry some, the next the rest);
+#                once all the MANIFEST names are there, check the sha256 and extract them under $WORK/gen
 #   PART=prep    data.prepare of the first 1K / 10K / 30K / all rows (the curve's data sizes)
 #   PART=train   the curve's drafters (RUNS, one process each, sharing the GPU), bounded by TRAIN_SECONDS
 #                (SIGTERM saves a checkpoint; rerun the part to go on: RESUME=auto)
@@ -75,6 +80,34 @@ part_gen() {
     cp "$GEN.stats.json" "$OUT/gen_stats.json" 2>/dev/null || true
 }
 
+GEN_FILES=(gen/smollm2.jsonl gen/smollm2.jsonl.rejected.jsonl gen/smollm2.jsonl.stats.json)
+
+part_pack() {
+    [ -f "$GEN" ] || { say "pack: no $GEN"; return 0; }
+    rm -rf "$WORK/home" && mkdir -p "$WORK/home"
+    local files=(); for f in "${GEN_FILES[@]}"; do [ -f "$WORK/$f" ] && files+=("$f"); done
+    tar -C "$WORK" -cf - "${files[@]}" | xz -T"${PACK_THREADS:-4}" -6 | \
+        split -b "${PIECE_BYTES:-15000000}" -d -a 2 - "$WORK/home/gen.tar.xz.part-"
+    { echo "rows $(wc -l < "$GEN")"; echo "files ${files[*]}"
+      (cd "$WORK/home" && cat gen.tar.xz.part-* | sha256sum | sed 's/-$/gen.tar.xz/'; ls gen.tar.xz.part-* | sed 's/^/piece /')
+    } > "$WORK/home/MANIFEST"
+    say "pack: $(wc -l < "$GEN") rows in $(ls "$WORK/home" | grep -c part) pieces, $(du -sh "$WORK/home" | cut -f1)"
+}
+
+part_unpack() {
+    mkdir -p "$WORK/home_in"
+    cp .data/gen/* "$WORK/home_in/" 2>/dev/null || true
+    [ -f "$WORK/home_in/MANIFEST" ] || { say "unpack: no MANIFEST carried yet (.data/gen/MANIFEST)"; return 0; }
+    local missing; missing=$(awk '$1 == "piece" {print $2}' "$WORK/home_in/MANIFEST" | \
+        while read -r f; do [ -f "$WORK/home_in/$f" ] || echo "$f"; done | tr '\n' ' ')
+    [ -z "$missing" ] || { say "unpack: still to carry: $missing"; return 0; }
+    local want got; want=$(awk '$2 == "gen.tar.xz" {print $1}' "$WORK/home_in/MANIFEST")
+    got=$(cd "$WORK/home_in" && cat gen.tar.xz.part-* | sha256sum | cut -d" " -f1)
+    [ "$want" = "$got" ] || { say "unpack: sha256 $got != MANIFEST's $want: carry the pieces again"; return 1; }
+    (cd "$WORK/home_in" && cat gen.tar.xz.part-*) | xz -d | tar -C "$WORK" -xf -
+    say "unpack: $(wc -l < "$GEN") rows in $GEN ($(grep '^rows' "$WORK/home_in/MANIFEST")); PART=gen resumes from them"
+}
+
 part_prep() {
     for n in $SIZES; do
         local src=$GEN
@@ -143,13 +176,20 @@ part_eval() {
             --limit "${DECODE_LIMIT:-24}" --max-new-tokens "$EVAL_NEW" --dtype $dt --device "$DEV" --skip-long \
             --out "$OUT/eval_decode_$dt.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -12
     done
+    # where a speculative step's time goes against a greedy one's: graph replays timed, ops by device time
+    local prof=(--time 200 --profile 10); [ "$SMOKE" = 1 ] && prof=(--time 2)
+    for dt in float32 bfloat16; do
+        $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype $dt --drafter-layers "$LAYERS" \
+            --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_$dt.txt" 2>&1
+        grep -a "time per step\|Error" "$OUT/fast_steps_$dt.txt"
+    done
 }
 
 case $PART in
     all) for p in setup2 gen prep train eval; do say "part $p"; part_$p; done ;;
     *) for p in $PART; do     # one part or several in order, e.g. PART="setup2 gen prep"
-           case $p in setup1|setup2|gen|prep|train|eval) say "part $p"; part_$p ;;
-               *) echo "unknown PART=$p (setup1 setup2 gen prep train eval all)"; exit 2 ;; esac
+           case $p in setup1|setup2|unpack|gen|pack|prep|train|eval) say "part $p"; part_$p ;;
+               *) echo "unknown PART=$p (setup1 setup2 unpack gen pack prep train eval all)"; exit 2 ;; esac
        done ;;
 esac
 say "PART=$PART done"

@@ -271,3 +271,14 @@ def test_step_kernel_counts(tiny_llama_dir):
     assert s["where"] == 0 and spec.counts[("drafter layers", "kernels")]["where"] == 0
     ctx = spec.counts[("context-cache update", "kernels")]
     assert ctx["mm"] == 2 and ctx["index_copy_"] == 1                      # fc, then every layer's k and v
+
+
+def test_step_timing_restarts_every_run(tiny_llama_dir):
+    """tools/count_ops --time: every timed run starts from the prompt's end, so N runs fit caches sized for the prompt
+    and two blocks (without the restart the third speculative step would write past them); bf16 builds too."""
+    for dtype in (torch.float32, torch.bfloat16):
+        fast, d = count_ops.build(str(tiny_llama_dir), B, 2, dtype=dtype)
+        assert fast.max_len == len(count_ops.PROMPT) + 2 * B and d.kv.dtype == dtype
+        ms = count_ops.time_steps(fast, d, 6)
+        assert set(ms) == {"greedy", "speculative"} and all(v > 0 for v in ms.values())
+        assert len(count_ops.PROMPT) + 1 <= int(fast.start) <= len(count_ops.PROMPT) + B

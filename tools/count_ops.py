@@ -3,6 +3,7 @@ replay's cost at batch 1 with a small model, where every kernel is launch-bound 
 reads per forward on an H200 against ~4 ms a greedy step).
 
     python -m tools.count_ops [--target DIR] [--block-size 16] [--drafter-layers 5] [--device cuda --profile 20]
+        [--dtype float32|bfloat16] [--max-len 1024] [--time 200]
 
 Runs one _greedy_step and one _spec_step eagerly under a TorchDispatchMode after a short prompt's prefill, with a
 random drafter (op counts do not depend on weights: the steps have static shapes). Each op is charged to the
@@ -10,8 +11,12 @@ innermost function of COMPONENTS on its Python stack. "kernels" counts the ops t
 only make a new tensor header (is_view, or in METADATA_OPS), which launch nothing on a GPU. An aten op is a kernel
 launch or a few: CPU SDPA, cuBLAS and the embedding differ in detail, the counts do not. What counts cannot show
 is a kernel's own duration (a 16-row fp32 matmul against a 1-row one): --profile N runs each step N times eagerly
-under torch.profiler and prints the ops by self time, on a GPU its kernels' device time.
+under torch.profiler and prints the ops by self time, on a GPU its kernels' device time. --time N measures what a
+decode pays per step: N replays of each step's CUDA graph on a GPU (eager steps on a CPU), in ms per step, over a
+cache of --max-len positions (the fast loop attends to its whole static cache under a mask, so its length is part
+of the cost; eval_dflash sizes it to the longest prompt + --max-new-tokens + B - 1).
 """
+import time
 import argparse
 import sys
 from collections import Counter
@@ -87,17 +92,18 @@ def kernels(c: OpCounter) -> int:
 PROMPT = list(range(1, 9))    # token ids of the prefill before the counted steps
 
 
-def build(target, block_size, drafter_layers, device="cpu"):
-    """-> (FastDecoder after a prefill, DraftState with the prompt's context written)."""
+def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32, max_len=0):
+    """-> (FastDecoder after a prefill, DraftState with the prompt's context written); max_len: the static caches'
+    positions (0: just enough for the prompt and two blocks)."""
     from transformers import AutoModelForCausalLM
     from model.drafter import Drafter, DrafterConfig
     from model.fastdecode import FastDecoder
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True).eval()
     cfg = DrafterConfig.from_target(model.config, drafter_layers, block_size,
                                     mask_token_id=model.config.vocab_size - 1)
     torch.manual_seed(0)
-    fast = FastDecoder(model.to(device), len(PROMPT) + 2 * block_size)
-    d = fast.drafter(Drafter(cfg).to(device).eval(), block_size)
+    fast = FastDecoder(model.to(device), max(max_len, len(PROMPT) + 2 * block_size))
+    d = fast.drafter(Drafter(cfg).to(device, dtype).eval(), block_size)
     with torch.no_grad():
         d.write(fast._prefill(PROMPT, d.taps), fast.positions[:len(PROMPT)])
     return fast, d
@@ -121,6 +127,26 @@ def profile(fast, step, n) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=15)
 
 
+def time_steps(fast, d, n) -> dict:
+    """ms per step of the greedy and the speculative step: n CUDA-graph replays each on a GPU (the graphs the fast
+    loop replays), n eager runs on a CPU; every run starts from the prompt's end (a step moves `start`)."""
+    out = {}
+    for key, step in (("greedy", fast._greedy_step), ("speculative", lambda: fast._spec_step(d))):
+        with torch.inference_mode():
+            fast._ready(key, step)
+            fast.start.fill_(len(PROMPT))
+            fast._launch(key, step)                                  # one untimed run (lazy inits, clocks)
+            sync = torch.cuda.synchronize if fast.cuda_graphs else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fast.start.fill_(len(PROMPT))
+                fast._launch(key, step)
+            sync()
+            out[key] = (time.perf_counter() - t0) / n * 1e3
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(DEFAULT_TARGET), help="an HF folder (default: the SmolLM2 demo target)")
@@ -128,8 +154,12 @@ def main(argv=None):
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the counts are the same; --profile differs)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N eager runs of each step")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafter dtype")
+    ap.add_argument("--max-len", type=int, default=0, help="static cache positions (0: prompt + 2 blocks)")
+    ap.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs of each step (CUDA graphs "
+                                                                       "on a GPU)")
     a = ap.parse_args(argv)
-    fast, d = build(a.target, a.block_size, a.drafter_layers, a.device)
+    fast, d = build(a.target, a.block_size, a.drafter_layers, a.device, getattr(torch, a.dtype), a.max_len)
     greedy, spec = count(fast._greedy_step), count(lambda: fast._spec_step(d))
     if a.profile:
         print(f"greedy step x {a.profile}\n{profile(fast, fast._greedy_step, a.profile)}\n")
@@ -138,6 +168,13 @@ def main(argv=None):
     print(f"speculative step (B={d.B}, {d.config.num_hidden_layers} drafter layers)\n{table(spec)}\n")
     print(f"kernels: greedy {kernels(greedy)}, speculative {kernels(spec)} "
           f"({kernels(spec) / kernels(greedy):.2f}x)")
+    if a.time:
+        ms = time_steps(fast, d, a.time)
+        how = "CUDA-graph replays" if fast.cuda_graphs else "eager runs"
+        print(f"time per step ({a.time} {how}, {a.dtype}, {fast.max_len}-position caches, {a.device}): greedy "
+              f"{ms['greedy']:.3f} ms, speculative {ms['speculative']:.3f} ms "
+              f"({ms['speculative'] / ms['greedy']:.2f}x): a drafter of tau {ms['speculative'] / ms['greedy']:.2f} "
+              f"breaks even")
     return greedy, spec
 
 
