@@ -81,8 +81,9 @@ export FP8_SECONDS=${FP8_SECONDS:-240} GEN_SECONDS=${GEN_SECONDS:-700}
 if [ "${SMOKE:-0}" != 1 ]; then   # (SMOKE=1: bench/quality_h200.sh's own tiny numbers)
     # 1,200 steps: six SmolLM2 runs sharing one H200 at ~6 steps/s each (five did 600 in 96 s) end in ~215 s
     export STEPS=${STEPS:-1200} SAVE_EVERY=${SAVE_EVERY:-200}
-    # the curve at the default recipe (D-PACE), the exp decay it replaced, and TARGET_FP8's tau cost, equal steps
-    export RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: exp:all:--LOSS_WEIGHTING=exp tfp8:all:--TARGET_FP8=1"}
+    # the curve at the default recipe (D-PACE); the openers' effect (30K rows with them against 30K free ones, equal
+    # steps); TARGET_FP8's tau cost. (exp against D-PACE: measured on 2026-12-01, BENCHMARKS.md section 6)
+    export RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: free30k:free30000: tfp8:all:--TARGET_FP8=1"}
 fi
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 say() { echo "[pipeline $(( $(date +%s) - T0 ))s] $*"; }

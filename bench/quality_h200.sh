@@ -36,11 +36,12 @@ if [ "$SMOKE" = 1 ]; then
     STEPS=${STEPS:-4}; BUDGET=${BUDGET:-512}; ANCHORS=${ANCHORS:-16}; LAYERS=${LAYERS:-1}; EVAL_LIMIT=${EVAL_LIMIT:-3}
     EVAL_NEW=${EVAL_NEW:-16}; DEV=cpu; DT=float32
 else
-    NUM=${NUM:-100000}; SLOTS=${SLOTS:-1024}; NEW=${NEW:-384}; PTOK=${PTOK:-128}; SIZES=${SIZES:-1000 10000 30000 all}
+    NUM=${NUM:-100000}; SLOTS=${SLOTS:-1024}; NEW=${NEW:-384}; PTOK=${PTOK:-128}; SIZES=${SIZES:-1000 10000 30000 all free30000}
     STEPS=${STEPS:-1500}; BUDGET=${BUDGET:-8192}; ANCHORS=${ANCHORS:-512}; LAYERS=${LAYERS:-5}; EVAL_LIMIT=${EVAL_LIMIT:-0}
     EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16
 fi
 GEN=$WORK/gen/smollm2.jsonl
+OPENERS=${OPENERS-data/default/openers.jsonl}    # OPENERS= : the model writes every prompt free
 # name:data-size:extra flags (the curve at one recipe; then at the largest size the D-PACE lever and the two FP8
 # switches, whose tau cost is measured at equal data and steps)
 RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: dpace:all:--LOSS_WEIGHTING=dpace tfp8:all:--TARGET_FP8=1 dfp8:all:--DRAFTER_FP8=1"}
@@ -72,6 +73,7 @@ part_gen() {
     mkdir -p "$(dirname "$GEN")"
     timeout -s TERM "${GEN_SECONDS:-100000}" $PY -m data.synthesize --model "$SMOL" --num "$NUM" --out "$GEN" --seed 0 \
         --mix data/default/train_prompts.jsonl --mix-ratio 0.02 --max-new-tokens "$NEW" --prompt-tokens "$PTOK" \
+        $( [ -n "$OPENERS" ] && echo --openers "$OPENERS" ) \
         --temperature 0.6 --prompt-temperature 1.0 --batch-size "$SLOTS" --attention "${ATTN:-sdpa}" \
         $( [ "${SAMPLER:-eager}" = compiled ] && echo --compile-sampler ) \
         --device "$DEV" --dtype "$DT" \
@@ -112,7 +114,9 @@ part_prep() {
     for n in $SIZES; do
         local src=$GEN
         [ "$n" = ship ] && continue                      # the shipped set, data/default/smollm2, already prepared
-        [ "$n" != all ] && { src=$WORK/gen/first_$n.jsonl; head -n "$n" "$GEN" > "$src"; }
+        # freeN: the first N rows no opener steered (--openers' "free" share, and the shipped prompts)
+        case $n in all) ;; free*) src=$WORK/gen/$n.jsonl; grep -v '"opener": ' "$GEN" | head -n "${n#free}" > "$src" ;;
+                   *) src=$WORK/gen/first_$n.jsonl; head -n "$n" "$GEN" > "$src" ;; esac
         [ -f "$WORK/prep_$n/stats.json" ] && [ "$n" != all ] && continue
         $PY -m data.prepare --tokenizer "$SMOL" --out "$WORK/prep_$n" --max-len 2048 --overwrite "$src" 2>&1 | tail -4
         cp "$WORK/prep_$n/stats.json" "$OUT/prep_${n}_stats.json"
@@ -166,6 +170,11 @@ part_eval() {
     $PY eval_dflash.py --method walk --target "$SMOL" --drafter "${drafters[@]}" --prompts data/default/eval_prompts.jsonl \
         "${lim[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --device "$DEV" --skip-long --out "$OUT/eval_walk.json" \
         2>&1 | grep -v "^Loading\|it/s\]" | tail -40
+    # the same drafters on prompts of the training data's own kind (self-written, a seed no run trains on): tau
+    # in distribution, against the held-out set's code and MT-Bench
+    [ -f data/default/eval_self_prompts.jsonl ] && $PY eval_dflash.py --method walk --target "$SMOL" \
+        --drafter "${drafters[@]}" --prompts data/default/eval_self_prompts.jsonl "${lim[@]}" --max-new-tokens "$EVAL_NEW" \
+        --dtype float32 --device "$DEV" --skip-long --out "$OUT/eval_walk_self.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -20
     # the best by walk tau: the decode loop on the first prompts (tau must equal the walk's there), fp32 and bf16
     best=$($PY -c "import json,sys; r=json.load(open('$OUT/eval_walk.json')); r=r.get('drafters',[r]); print(max(r,key=lambda x:x['tau'])['drafter'])")
     say "best by walk tau: $best"

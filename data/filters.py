@@ -3,12 +3,14 @@
     python -m data.filters IN.jsonl --out OUT.jsonl [--stats STATS.json] [--heldout FILE.jsonl ...]
 
 A row is rejected for the first reason that applies, checked in this order (the reason codes in the stats):
-  empty_user, truncated_user    a user turn that is blank, or was cut at the prompt cap (`user_finish_reasons`
-                                "length", written by data.synthesize: the model never ended its message)
+  empty_user, truncated_user    a user turn that is blank (or only its `opener`, the text data.synthesize
+                                started it with), or was cut at the prompt cap (`user_finish_reasons` "length",
+                                written by data.synthesize: the model never ended its message)
   repetition                    a turn that loops: too many repeated word 4-grams, one line over and over, or text
                                 that compresses too well (a run of emoji or symbols the word checks cannot see)
   heldout_copy, heldout_near    a user turn equal (normalised) or nearly equal (MinHash) to an evaluation prompt
-                                (data/default/eval_prompts.jsonl and every --heldout file): evaluation stays held out
+                                (data/default/eval_prompts.jsonl, eval_self_prompts.jsonl and every --heldout file):
+                                evaluation stays held out
   duplicate, near_duplicate     the first user turn equals / nearly equals that of a row admitted before it
   empty_answer                  a blank assistant turn
 Answers cut at the length cap (`finish_reasons` "length") are kept and counted as `length_capped`; data.prepare
@@ -30,6 +32,9 @@ from pathlib import Path
 
 
 HELDOUT_DEFAULT = Path(__file__).resolve().parent / "default" / "eval_prompts.jsonl"
+# the self-written evaluation prompts (data.synthesize's distribution, a seed no training run uses): held out too
+HELDOUT_SELF = HELDOUT_DEFAULT.with_name("eval_self_prompts.jsonl")
+HELDOUT_DEFAULTS = [p for p in (HELDOUT_DEFAULT, HELDOUT_SELF) if p.exists()]
 
 REPEAT_NGRAM = 4               # words per n-gram of the repetition filter
 MAX_REPEATED_NGRAM_SHARE = 0.5  # share of a turn's word 4-grams that repeat an earlier one, above which it loops.
@@ -174,6 +179,8 @@ class Filters:
         users, finishes = user_turns(row), row.get("user_finish_reasons") or []
         if not users:
             return "empty_user"
+        if row.get("opener") and users[0].strip() == row["opener"].strip():
+            return "empty_user"                  # the model ended the turn right after the text it was given
         reason = self._user_reason(users[0], finishes[0] if finishes else None)
         if reason or not dedup:
             return reason
@@ -244,12 +251,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, required=True, help="JSONL of the kept rows (overwritten)")
     ap.add_argument("--stats", type=Path, help="counts by reason as JSON (default: OUT.stats.json)")
     ap.add_argument("--heldout", type=Path, action="append", default=[],
-                    help=f"more evaluation prompts to keep out (always: {HELDOUT_DEFAULT.name})")
+                    help=f"more evaluation prompts to keep out (always: "
+                         f"{', '.join(p.name for p in HELDOUT_DEFAULTS)})")
     args = ap.parse_args(argv)
     if args.out.resolve() == args.input.resolve():
         ap.error("--out must differ from the input (the input is read while the output is written)")
     stats_path = args.stats or Path(str(args.out) + ".stats.json")
-    filters = Filters(heldout_prompts([HELDOUT_DEFAULT, *args.heldout]))
+    filters = Filters(heldout_prompts([*HELDOUT_DEFAULTS, *args.heldout]))
     stats = empty_stats()
     if not args.input.is_file():
         raise SystemExit(f"filters: no such file {args.input}")

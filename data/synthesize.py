@@ -1,7 +1,8 @@
 """The target writes the prompts too: conversations from nothing but its chat template (the "Magpie" technique).
 
     python -m data.synthesize --model PATH --num N --out FILE.jsonl [--seed S] [--turns 1|2] [--system TEXT]
-        [--mix data/default/train_prompts.jsonl --mix-ratio 0.02] [--max-new-tokens 384] [--prompt-tokens 128]
+        [--mix data/default/train_prompts.jsonl --mix-ratio 0.02] [--openers data/default/openers.jsonl]
+        [--max-new-tokens 384] [--prompt-tokens 128]
         [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--attention sdpa|matmul]
         [--compile-sampler] [--device auto] [--dtype auto]
 
@@ -11,6 +12,13 @@ message, up to its end-of-turn token or --prompt-tokens (then the message is cut
 then answers it, as data.regenerate would. --turns 2 continues the trick: the model writes a follow-up user turn
 after its own answer, then answers that. --system TEXT replaces the template's default system turn (and is kept in
 the rows, so training sees the context the answers were written in).
+
+--openers FILE steers what the self-written prompts are about: a JSONL of {"name", "text", "weight"} rows. Candidate
+self/<i> draws one row (by weight, from a hash of --seed and i alone) and its user turn starts with that text, which
+the model continues (e.g. "Complete the following Python function.\n\n```python\ndef" makes it write a function
+stub to complete; no trailing space: the model's next token carries its own); an empty text leaves the model free. An instruction-tuned model of a few hundred million
+parameters, left free, writes chat questions and rarely code, while a drafter is judged on code too. The row keeps
+the text under "opener"; a user turn that is only the opener (the model ended the turn at once) is empty_user.
 
 Two streams of rows, each numbered from 0 by its candidates: `self/<i>` (self-written) and, with --mix, `mix/<j>`:
 draw j answers the prompt perm[j % M] of the M prompts of the mix file (perm: a shuffle seeded by --seed; the
@@ -35,7 +43,7 @@ Ctrl-C still records the run (rows, tokens, wall time) in OUT.stats.json and pri
 opener is judged for duplicates only once every lower index's opener was, so the verdicts are those of one pass in
 index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks its newline is
 kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
-mix and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
+mix, openers and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
 --batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples slightly different
 rows than an fp32 one, and a compiled sampler's float logs may round differently from eager).
 
@@ -106,6 +114,40 @@ def sample_key(stream: str, index: int, turn: int) -> int:
     """The engine's noise key of one generation: with the engine's seed, the sample depends on nothing else."""
     digest = hashlib.blake2b(f"{stream}/{index}/{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2  # 62 bits: room for the engine's own arithmetic on it
+
+
+def pick_opener(openers, seed: int, index: int) -> str:
+    """The opener text of candidate self/<index>: drawn by weight from a hash of (seed, index) alone, so a resumed or
+    re-windowed run draws the same. "" without --openers."""
+    if not openers:
+        return ""
+    digest = hashlib.blake2b(f"opener/{seed}/{index}".encode(), digest_size=8).digest()
+    u = (int.from_bytes(digest, "little") >> 11) / 2 ** 53 * sum(w for _, _, w in openers)     # uniform in [0, total)
+    for _, text, w in openers:
+        u -= w
+        if u < 0:
+            return text
+    return openers[-1][1]
+
+
+def read_openers(path: Path) -> list[tuple[str, str, float]]:
+    """--openers FILE -> [(name, text, weight)]; SystemExit naming the line for a malformed one."""
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text, weight = row["text"], float(row.get("weight", 1.0))
+            assert isinstance(text, str) and weight > 0 and math.isfinite(weight)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise SystemExit(f"synthesize: {path}:{n} is not an opener: want a JSON object with a \"text\" string "
+                             f"(\"\" leaves the model free) and an optional \"weight\" > 0, e.g. "
+                             f'{{"name": "code", "text": "Write a Python function that", "weight": 10}}')
+        out.append((str(row.get("name", n)), text, weight))
+    if not out:
+        raise SystemExit(f"synthesize: --openers {path} holds no opener")
+    return out
 
 
 # --- files ----------------------------------------------------------------------------------------------------------
@@ -208,6 +250,7 @@ class Item:
     steps: list
     turn: int = 0                 # generations done: the key of the next one
     reason: str | None = None     # set when rejected
+    opener: str = ""              # the start of the first self-written user turn (--openers)
 
     def key(self) -> int:
         return sample_key(self.stream, self.index, self.turn)
@@ -216,9 +259,10 @@ class Item:
 class Synth:
     """Candidates -> engine requests, one turn at a time, with the filters between the turns."""
 
-    def __init__(self, engine, tok, stops, filters, args, mix_prompts):
+    def __init__(self, engine, tok, stops, filters, args, mix_prompts, openers=()):
         self.engine, self.tok, self.stops, self.filters, self.args = engine, tok, stops, filters, args
         self.mix_prompts = mix_prompts  # [(prompt id, [user texts])], in the seeded shuffled order
+        self.openers = list(openers)    # [(name, text, weight)] (--openers)
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.tokens, self.t0, self.last_post = 0, time.time(), 0.0
         self.pending = deque()          # the engine's queue: requests whose tag is their Item
@@ -232,7 +276,10 @@ class Synth:
                "messages": list(self.system), "finish_reasons": []}
         if stream == "self":
             row["user_finish_reasons"] = []
-            return Item(stream, index, row, ["write", "answer"] * self.args.turns)
+            opener = pick_opener(self.openers, self.args.seed, index)
+            if opener:
+                row["opener"] = opener
+            return Item(stream, index, row, ["write", "answer"] * self.args.turns, opener=opener)
         pid, users = self.mix_prompts[index % len(self.mix_prompts)]
         row["prompt_id"] = pid
         return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (("ask", u), "answer")])
@@ -247,8 +294,9 @@ class Synth:
             return
         a = self.args
         if it.steps[0] == "write":
-            req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"])), a.prompt_tokens,
-                          a.prompt_temperature, it.key(), it)
+            first = not F.user_turns(it.row)
+            req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"]) + it.opener * first),
+                          a.prompt_tokens, a.prompt_temperature, it.key(), it)
         else:
             req = Request(encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True)),
                           a.max_new_tokens, a.temperature, it.key(), it)
@@ -263,9 +311,11 @@ class Synth:
 
     def took(self, it: Item, ids, why):
         """One generation of `it` is back: add it to the row, judge it, queue what comes next."""
-        text = self.tok.decode(ids, skip_special_tokens=True).strip()
+        text = self.tok.decode(ids, skip_special_tokens=True)
         self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
         it.turn += 1
+        # the first self-written user turn continues its opener's text (no strip between the two)
+        text = (it.opener + text if it.steps[0] == "write" and not F.user_turns(it.row) else text).strip()
         if it.steps.pop(0) == "answer":
             it.row["messages"].append({"role": "assistant", "content": text})
             it.row["finish_reasons"].append(why)
@@ -332,7 +382,8 @@ def run_config(args, tok) -> dict:
             "max_new_tokens": args.max_new_tokens, "prompt_tokens": args.prompt_tokens,
             "temperature": args.temperature, "prompt_temperature": args.prompt_temperature,
             "mix": file_hash(args.mix) if args.mix else None,
-            "heldout": [file_hash(p) for p in [F.HELDOUT_DEFAULT, *args.heldout]],
+            "openers": file_hash(args.openers) if args.openers else None,
+            "heldout": [file_hash(p) for p in [*F.HELDOUT_DEFAULTS, *args.heldout]],
             "filters": {k: getattr(F, k) for k in ("REPEAT_NGRAM", "MAX_REPEATED_NGRAM_SHARE", "MIN_LINE_CHARS",
                                                    "MAX_SAME_LINE", "MIN_ZLIB_BYTES", "MIN_ZLIB_RATIO",
                                                    "SHINGLE_WORDS", "NUM_PERM", "NEAR_DUP_JACCARD",
@@ -378,6 +429,8 @@ def parse_args(argv):
     ap.add_argument("--system", default="", help="system turn (default: the template's own)")
     ap.add_argument("--mix", type=Path, help="prompt file (data.prepare formats) whose prompts make up --mix-ratio")
     ap.add_argument("--mix-ratio", type=float, default=0.0, help="share of the rows answered from --mix, 0..1")
+    ap.add_argument("--openers", type=Path, help="JSONL of {name, text, weight}: the text a self-written user turn "
+                                                 "starts with, drawn by weight (data/default/openers.jsonl)")
     ap.add_argument("--max-new-tokens", type=int, default=512, help="answer cap, tokens")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="cap on a self-written user turn, tokens")
     ap.add_argument("--temperature", type=float, default=0.0, help="answers (0 = greedy)")
@@ -388,7 +441,8 @@ def parse_args(argv):
     ap.add_argument("--compile-sampler", action="store_true",
                     help="torch.compile the decode step's sampler (bench.generate_bench --sampler eager,compiled)")
     ap.add_argument("--heldout", type=Path, action="append", default=[],
-                    help=f"more evaluation prompts to keep out (always: {F.HELDOUT_DEFAULT.name})")
+                    help=f"more evaluation prompts to keep out (always: "
+                         f"{', '.join(p.name for p in F.HELDOUT_DEFAULTS)})")
     ap.add_argument("--attempts-per-row", type=float, default=ATTEMPTS_PER_ROW,
                     help="candidates a stream may try per row it supplies before it stops short")
     ap.add_argument("--device", default="auto")
@@ -406,7 +460,8 @@ def parse_args(argv):
                  "--mix-ratio 0.02) or neither")
     if not Path(args.model).is_dir():
         ap.error(f"--model {args.model} is not a model folder")
-    for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--heldout", p) for p in args.heldout]:
+    for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--openers", args.openers)] * bool(args.openers) + \
+            [("--heldout", p) for p in args.heldout]:
         if not path.is_file():
             ap.error(f"{name} {path}: no such file")
     return args
@@ -425,7 +480,8 @@ def main(argv=None) -> dict:
         rows.sort(key=lambda r: stream_of(r)[1])
     old = check_resume(stats_path(args.out), config, any(written.values()))
 
-    filters = F.Filters(F.heldout_prompts([F.HELDOUT_DEFAULT, *args.heldout]))
+    filters = F.Filters(F.heldout_prompts([*F.HELDOUT_DEFAULTS, *args.heldout]))
+    openers = read_openers(args.openers) if args.openers else []
     stats = {s: F.empty_stats() for s in STREAMS}
     for s, rows in written.items():  # the filter state, rebuilt as it was built: in index order
         for row in rows:
@@ -438,8 +494,10 @@ def main(argv=None) -> dict:
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []
     longest_mix = max((len(encode(tok, u)) for _, users in mix_prompts for u in users[:args.turns]), default=0)
+    longest_opener = max((len(encode(tok, text)) for _, text, _ in openers), default=0)
     max_len = (len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
-               + args.turns * (max(args.prompt_tokens, longest_mix) + args.max_new_tokens + 2 * TURN_OVERHEAD))
+               + args.turns * (max(args.prompt_tokens + longest_opener, longest_mix) + args.max_new_tokens
+                               + 2 * TURN_OVERHEAD))
     print(f"synthesize: {kept0:,} rows already in {args.out} (self {stats['self']['kept']:,}, mix "
           f"{stats['mix']['kept']:,}), want {args.num:,} (self {want['self']:,}, mix {want['mix']:,}); "
           f"max_len {max_len:,} tokens; up to {WINDOW_PER_SLOT * args.batch_size:,} candidates in flight")
@@ -452,7 +510,7 @@ def main(argv=None) -> dict:
     todo = {s: max(0, want[s] - stats[s]["kept"]) for s in STREAMS}
     if sum(todo.values()):
         engine, model = load_engine(args, max_len)
-        synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts)
+        synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers)
         from tqdm import tqdm
         bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
         sink = Sink(args.out)

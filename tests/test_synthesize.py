@@ -289,7 +289,7 @@ def test_decisions_are_those_of_the_filters_command(tmp_path, qwen3_dir, scripte
     out = tmp_path / "s.jsonl"
     synth(qwen3_dir, out, 12, "--turns", 2, "--system", "Be brief.")
     rows = sorted(read_jsonl(out) + read_jsonl(syn.rejected_path(out)), key=lambda r: syn.stream_of(r)[1])
-    filters = F.Filters(F.heldout_prompts([F.HELDOUT_DEFAULT]))
+    filters = F.Filters(F.heldout_prompts(F.HELDOUT_DEFAULTS))
     assert [filters.check(r) for r in rows] == [r.get("rejected") for r in rows]
     kept = read_jsonl(out)
     assert all([m["role"] for m in r["messages"]] == ["system", "user", "assistant", "user", "assistant"] and
@@ -299,6 +299,67 @@ def test_decisions_are_those_of_the_filters_command(tmp_path, qwen3_dir, scripte
     follow_up = syn.encode(tok, render(tok, conv + [user(syn.SENTINEL)]).split(syn.SENTINEL)[0])
     assert follow_up in scripted.engines[0].prompts
     assert tok.decode(follow_up).endswith("<|im_start|>user\n")
+
+
+def write_openers(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_openers_start_the_user_turns(tmp_path, qwen3_dir, scripted):
+    """--openers: each self row's user turn is its drawn opener's text continued by the model (the write request
+    ends with that text), the draw follows the weights and depends on (seed, index) alone (rows equal for 1 and 7
+    slots), the rows keep their opener, and changing the file refuses a resume."""
+    ops = write_openers(tmp_path / "openers.jsonl", [{"name": "free", "text": "", "weight": 1},
+                                                     {"name": "py", "text": "Write a Python function that",
+                                                      "weight": 2}])
+    files = []
+    for slots in (1, 7):
+        out = tmp_path / f"o{slots}.jsonl"
+        syn.main(["--model", str(qwen3_dir), "--num", "30", "--out", str(out), "--prompt-tokens", "24",
+                  "--max-new-tokens", "16", "--batch-size", str(slots), "--openers", str(ops)])
+        files.append((by_id(out), by_id(syn.rejected_path(out))))
+    assert files[0] == files[1]
+    rows = list(files[0][0].values()) + list(files[0][1].values())
+    steered = [r for r in rows if r.get("opener")]
+    assert steered and len(steered) < len(rows)
+    assert all(r["opener"] == "Write a Python function that" for r in steered)
+    assert all(r["messages"][0]["content"].startswith("Write a Python function that") and
+               len(r["messages"][0]["content"]) > len(r["opener"]) for r in steered)
+    tok = cached_tokenizer(str(qwen3_dir))
+    writes = [tok.decode(p) for p in scripted.engines[0].prompts if tok.decode(p).endswith("that")]
+    # (>=: candidates in flight past the last row needed are generated, not written)
+    assert len(writes) >= len(steered) and all(w.endswith("<|im_start|>user\nWrite a Python function that")
+                                               for w in writes)
+    write_openers(ops, [{"text": "Explain"}])
+    with pytest.raises(SystemExit, match="openers: was"):
+        syn.main(["--model", str(qwen3_dir), "--num", "30", "--out", str(tmp_path / "o1.jsonl"), "--prompt-tokens",
+                  "24", "--max-new-tokens", "16", "--openers", str(ops)])
+
+
+def test_opener_draw_weights_and_bad_files(tmp_path):
+    ops = [("a", "A ", 1.0), ("b", "B ", 3.0)]
+    draws = [syn.pick_opener(ops, 0, i) for i in range(4000)]
+    assert abs(draws.count("B ") / 4000 - 0.75) < 0.03                # the weights, within 4 standard errors
+    assert draws == [syn.pick_opener(ops, 0, i) for i in range(4000)]  # (seed, index) alone
+    assert draws != [syn.pick_opener(ops, 1, i) for i in range(4000)]  # the seed matters
+    assert syn.pick_opener([], 0, 5) == ""
+    # a user turn that is only its opener (the model ended the turn at once) is empty
+    filters = F.Filters()
+    assert filters.opener_reason({"opener": "Explain", "messages": [user("Explain")]}) == "empty_user"
+    assert filters.opener_reason({"opener": "Explain", "messages": [user("Explain gravity to a child.")]}) is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok "}\n{"text": "x", "weight": 0}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2 is not an opener"):
+        syn.read_openers(bad)
+    bad.write_text("\n")
+    with pytest.raises(SystemExit, match="holds no opener"):
+        syn.read_openers(bad)
+
+
+def test_shipped_openers_file_parses():
+    ops = syn.read_openers(Path("data/default/openers.jsonl"))
+    assert len({n for n, _, _ in ops}) == len(ops) and any(t == "" for _, t, _ in ops)
 
 
 def test_attempts_cap_and_changed_settings(tmp_path, qwen3_dir, scripted, capsys):
@@ -332,3 +393,19 @@ def test_smollm2_rows_prepare_accepts(tmp_path):
     assert stats["length_capped"] == sum("length" in r["finish_reasons"] for r in rows)
     prepared = prepare([out], SMOLLM2_DIR, tmp_path / "prepared", max_len=512, num_proc=1)
     assert prepared["samples"] == 6 and prepared["skipped"] == {}
+
+
+def test_self_eval_prompts_tool(tmp_path, qwen3_dir, scripted):
+    """tools/self_eval_prompts: N user turns in the eval file format, categorised by opener; never overwrites."""
+    from tools import self_eval_prompts
+    ops = write_openers(tmp_path / "openers.jsonl", [{"name": "free", "text": "", "weight": 1},
+                                                     {"name": "ex", "text": "Explain", "weight": 1}])
+    out = tmp_path / "eval_self.jsonl"
+    rows = self_eval_prompts.main(["--model", str(qwen3_dir), "--num", "12", "--openers", str(ops), "--out", str(out),
+                                   "--prompt-tokens", "24"])
+    assert read_jsonl(out) == rows and len(rows) == 12 and len({r["id"] for r in rows}) == 12
+    assert {r["category"] for r in rows} == {"self/free", "self/ex"}
+    assert all([m["role"] for m in r["messages"]] == ["user"] for r in rows)
+    assert all(r["messages"][0]["content"].startswith("Explain") for r in rows if r["category"] == "self/ex")
+    with pytest.raises(SystemExit, match="exists"):
+        self_eval_prompts.main(["--model", str(qwen3_dir), "--out", str(out)])
