@@ -15,8 +15,8 @@
 # change under bash), except the eval stage, which snapshots the tree again when it starts: code sent by a poll
 # call in the meantime is what it runs. Stages in order of what matters most (a lease that ends early loses the
 # last), each bounded, the whole by DEADLINE seconds:
-#   ab     the engine on the real SmolLM2 at 1024 slots, matmul attention: sampler eager vs compiled (-> SAMPLER),
-#          then the faster at 2048 slots (-> SLOTS); bench.generate_bench
+#   ab     the engine on the real SmolLM2 at 2048 slots, matmul attention: sampler eager vs compiled (-> SAMPLER);
+#          bench.generate_bench
 #   gen    data.synthesize, NUM conversations, GEN_SECONDS at most (resumable); the GPU tests run beside it
 #   prep   the curve's data sizes
 #   train  RUNS (bench/quality_h200.sh), TRAIN_SECONDS at most, checkpoints every SAVE_EVERY steps; STEPS must
@@ -75,11 +75,11 @@ STAGES=${STAGES:-ab gen prep train eval fp8}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-1350}
-# the plan inside DEADLINE: ab ~80 s, gen 700 s (~94K conversations at 2026-12-01's 134 conv/s), prep ~75 s, train
-# ~215 s, eval ~150 s; FP8 gets what is left
-export FP8_SECONDS=${FP8_SECONDS:-240} GEN_SECONDS=${GEN_SECONDS:-700}
+# the plan inside DEADLINE: ab ~45 s, gen 780 s (100K conversations at 2026-12-01's 134 conv/s, loading included),
+# prep ~75 s, train ~230 s, eval ~220 s (two walks, two decodes, the step timing); FP8 gets what is left
+export FP8_SECONDS=${FP8_SECONDS:-240} GEN_SECONDS=${GEN_SECONDS:-780} EVAL_RESERVE=${EVAL_RESERVE:-220}
 if [ "${SMOKE:-0}" != 1 ]; then   # (SMOKE=1: bench/quality_h200.sh's own tiny numbers)
-    # 1,200 steps: six SmolLM2 runs sharing one H200 at ~6 steps/s each (five did 600 in 96 s) end in ~215 s
+    # 1,200 steps: six SmolLM2 runs sharing one H200 at ~5 steps/s each (five did 600 in 96 s) end in ~230 s
     export STEPS=${STEPS:-1200} SAVE_EVERY=${SAVE_EVERY:-200}
     # the curve at the default recipe (D-PACE); the openers' effect (30K rows with them against 30K free ones, equal
     # steps); TARGET_FP8's tau cost. (exp against D-PACE: measured on 2026-12-01, BENCHMARKS.md section 6)
@@ -93,25 +93,20 @@ export PY=${PY:-python3} OUT=$WORK/out PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYT
 export SMOL=${SMOL:-$WORK/smollm2-135m-instruct}
 Q() { PART="$1" bash bench/quality_h200.sh; }
 # SMOKE=1: a CPU rehearsal of the whole chain in minutes (tiny numbers; no GPU tests, no FP8)
-AB=(--slots 1024 --prompts 2048 --new 256); AB2=(--slots 2048 --prompts 4096 --new 256)
-[ "${SMOKE:-0}" = 1 ] && AB=(--slots 4 --prompts 8 --new 8 --device cpu) && AB2=(--slots 8 --prompts 8 --new 8 --device cpu)
+AB2=(--slots 2048 --prompts 4096 --new 256)
+[ "${SMOKE:-0}" = 1 ] && AB2=(--slots 8 --prompts 8 --new 8 --device cpu)
 
-ATTN=${ATTN:-sdpa} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-1024}
+ATTN=${ATTN:-matmul} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-$( [ "${SMOKE:-0}" = 1 ] && echo 8 || echo 2048 )}
 if want ab; then
 stage ab
-# SDPA is left out: 10% slower than matmul on 2026-12-01 (BENCHMARKS.md section 7)
-$PY -m bench.generate_bench --model "$SMOL" "${AB[@]}" --attention matmul --sampler eager,compiled \
+# matmul attention at 2048 slots: the fastest on 2026-12-01 (BENCHMARKS.md section 7); the sampler eager against
+# compiled (never run on a GPU before) decides SAMPLER
+$PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" --sampler eager,compiled \
     --temperature 0.6 2>&1 | grep -v Loading | tee "$OUT/engine_ab.txt"
-# the fastest line (of one attention + sampler when given): "attention sampler slots"
-rate() { awk -v a="${1:-}" -v m="${2:-}" '/^engine/ && (a == "" || ($2 == a && $3 == m)) {
-    for (i = 2; i <= NF; i++) if ($i == "tok/s") { r = $(i - 1); gsub(",", "", r)
-        if (r + 0 > best) {best = r + 0; at = $2; sm = $3; slots = $5}}} END {print at, sm, slots}' "$OUT/engine_ab.txt"; }
-read -r ATTN SAMPLER _ <<< "$(rate)"
-ATTN=${ATTN:-sdpa} SAMPLER=${SAMPLER:-eager}
-$PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" --sampler "$SAMPLER" \
-    --temperature 0.6 2>&1 | grep -v Loading | tee -a "$OUT/engine_ab.txt"
-read -r _ _ SLOTS <<< "$(rate "$ATTN" "$SAMPLER")"
-SLOTS=${SLOTS:-1024}
+# the fastest line's sampler
+SAMPLER=$(awk '/^engine/ { for (i = 2; i <= NF; i++) if ($i == "tok/s") { r = $(i - 1); gsub(",", "", r)
+    if (r + 0 > best) {best = r + 0; sm = $3}}} END {print sm}' "$OUT/engine_ab.txt")
+SAMPLER=${SAMPLER:-eager}
 fi
 export ATTN SAMPLER=${SAMPLER:-eager} SLOTS
 say "engine: attention $ATTN, sampler $SAMPLER, $SLOTS slots"
@@ -133,7 +128,7 @@ fi
 
 if want train; then
 stage train
-export TRAIN_SECONDS=$(( $(left) - ${EVAL_RESERVE:-150} - ${FP8_RESERVE:-0} ))
+export TRAIN_SECONDS=$(( $(left) - EVAL_RESERVE - ${FP8_RESERVE:-0} ))
 Q train
 fi
 
