@@ -83,12 +83,17 @@ part_gen() {
 }
 
 GEN_FILES=(gen/smollm2.jsonl gen/smollm2.jsonl.rejected.jsonl gen/smollm2.jsonl.stats.json)
+# xz, or Python's lzma (the same format, one thread) where the machine has no xz
+xz_c() { if command -v xz > /dev/null; then xz -T"${PACK_THREADS:-4}" -6; else $PY -c "import lzma, shutil, sys
+with lzma.open(sys.stdout.buffer, 'wb', preset=6) as f: shutil.copyfileobj(sys.stdin.buffer, f)"; fi; }
+xz_d() { if command -v xz > /dev/null; then xz -d; else $PY -c "import lzma, shutil, sys
+with lzma.open(sys.stdin.buffer) as f: shutil.copyfileobj(f, sys.stdout.buffer)"; fi; }
 
 part_pack() {
     [ -f "$GEN" ] || { say "pack: no $GEN"; return 0; }
     rm -rf "$WORK/home" && mkdir -p "$WORK/home"
     local files=(); for f in "${GEN_FILES[@]}"; do [ -f "$WORK/$f" ] && files+=("$f"); done
-    tar -C "$WORK" -cf - "${files[@]}" | xz -T"${PACK_THREADS:-4}" -6 | \
+    tar -C "$WORK" -cf - "${files[@]}" | xz_c | \
         split -b "${PIECE_BYTES:-15000000}" -d -a 2 - "$WORK/home/gen.tar.xz.part-"
     { echo "rows $(wc -l < "$GEN")"; echo "files ${files[*]}"
       (cd "$WORK/home" && cat gen.tar.xz.part-* | sha256sum | sed 's/-$/gen.tar.xz/'; ls gen.tar.xz.part-* | sed 's/^/piece /')
@@ -106,7 +111,7 @@ part_unpack() {
     local want got; want=$(awk '$2 == "gen.tar.xz" {print $1}' "$WORK/home_in/MANIFEST")
     got=$(cd "$WORK/home_in" && cat gen.tar.xz.part-* | sha256sum | cut -d" " -f1)
     [ "$want" = "$got" ] || { say "unpack: sha256 $got != MANIFEST's $want: carry the pieces again"; return 1; }
-    (cd "$WORK/home_in" && cat gen.tar.xz.part-*) | xz -d | tar -C "$WORK" -xf -
+    (cd "$WORK/home_in" && cat gen.tar.xz.part-*) | xz_d | tar -C "$WORK" -xf -
     say "unpack: $(wc -l < "$GEN") rows in $GEN ($(grep '^rows' "$WORK/home_in/MANIFEST")); PART=gen resumes from them"
 }
 
@@ -174,7 +179,8 @@ part_eval() {
     # in distribution, against the held-out set's code and MT-Bench
     [ -f data/default/eval_self_prompts.jsonl ] && $PY eval_dflash.py --method walk --target "$SMOL" \
         --drafter "${drafters[@]}" --prompts data/default/eval_self_prompts.jsonl "${lim[@]}" --max-new-tokens "$EVAL_NEW" \
-        --dtype float32 --device "$DEV" --skip-long --out "$OUT/eval_walk_self.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -20
+        --dtype float32 --device "$DEV" --skip-long --out "$OUT/eval_walk_self.json" 2>&1 | grep -v "^Loading\|it/s\]" | \
+        tail -20 || say "the walk on eval_self_prompts.jsonl failed (rc $?)"
     # the best by walk tau: the decode loop on the first prompts (tau must equal the walk's there), fp32 and bf16
     best=$($PY -c "import json,sys; r=json.load(open('$OUT/eval_walk.json')); r=r.get('drafters',[r]); print(max(r,key=lambda x:x['tau'])['drafter'])")
     say "best by walk tau: $best"
@@ -189,8 +195,8 @@ part_eval() {
     local prof=(--time 200 --profile 10); [ "$SMOKE" = 1 ] && prof=(--time 2)
     for dt in float32 bfloat16; do
         $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype $dt --drafter-layers "$LAYERS" \
-            --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_$dt.txt" 2>&1
-        grep -a "time per step\|Error" "$OUT/fast_steps_$dt.txt"
+            --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_$dt.txt" 2>&1 || say "count_ops $dt failed (rc $?)"
+        grep -a "time per step\|Error" "$OUT/fast_steps_$dt.txt" || true
     done
 }
 
