@@ -71,6 +71,15 @@ if [ "${1:-}" = poll ]; then
 fi
 
 # --- the job (run from the snapshot) ---------------------------------------------------------------------------
+# PLAN=curve (the default): the data curve and the openers at the default recipe. PLAN=levers, for a lease that
+# carried a generated set back (PART=unpack): the recipe's levers on all its rows, one run each, equal steps; each
+# run's steps/s sharing the GPU (metrics) is its GPU-time cost, which the anchor density and the layer count change
+PLAN=${PLAN:-curve}
+if [ "$PLAN" = levers ]; then
+    STAGES=${STAGES:-gen prep train eval}
+    export SIZES=${SIZES:-all} STEPS=${STEPS:-3000} SAVE_EVERY=${SAVE_EVERY:-500} GEN_SECONDS=${GEN_SECONDS:-300}
+    export RUNS=${RUNS:-"base:all: anchors2k:all:--MAX_ANCHORS=2048 gamma4:all:--GAMMA=4 lr2x:all:--LR=1.2e-3 noise:all:--NOISE=0.05 layers3:all:--NUM_DRAFT_LAYERS=3"}
+fi
 STAGES=${STAGES:-ab gen prep train eval fp8}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
@@ -136,7 +145,7 @@ if want eval; then
 stage eval
 live=$(cat "$JOB/live_tree")
 rm -rf "$WORK/repo_eval" && cp -a "$live" "$WORK/repo_eval" && cd "$WORK/repo_eval"
-EQUAL_STEPS=1 Q eval
+EQUAL_STEPS=${EQUAL_STEPS:-1} Q eval
 cd - > /dev/null
 fi
 if want fp8; then
