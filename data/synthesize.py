@@ -15,10 +15,11 @@ the rows, so training sees the context the answers were written in).
 
 --openers FILE steers what the self-written prompts are about: a JSONL of {"name", "text", "weight"} rows. Candidate
 self/<i> draws one row (by weight, from a hash of --seed and i alone) and its user turn starts with that text, which
-the model continues (e.g. "Complete the following Python function.\n\n```python\ndef" makes it write a function
-stub to complete; no trailing space: the model's next token carries its own); an empty text leaves the model free. An instruction-tuned model of a few hundred million
-parameters, left free, writes chat questions and rarely code, while a drafter is judged on code too. The row keeps
-the text under "opener"; a user turn that is only the opener (the model ended the turn at once) is empty_user.
+the model continues (e.g. "Complete the following Python function.\\n\\n```python\\ndef" makes it write a function stub
+to complete; no trailing space: the model's next token carries its own); an empty text leaves the model free. An
+instruction-tuned model of a few hundred million parameters, left free, writes chat questions and rarely code, while
+a drafter is judged on code too. The row keeps the text under "opener"; a user turn that is only the opener (the
+model ended the turn at once) is empty_user.
 
 Two streams of rows, each numbered from 0 by its candidates: `self/<i>` (self-written) and, with --mix, `mix/<j>`:
 draw j answers the prompt perm[j % M] of the M prompts of the mix file (perm: a shuffle seeded by --seed; the
