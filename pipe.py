@@ -280,7 +280,9 @@ class BusyClock:
     warm-up.
     """
 
-    def __init__(self, device, skip=3):
+    SKIP = 3
+
+    def __init__(self, device, skip=SKIP):
         self.cuda = device.type == "cuda"
         self.pending = collections.deque()   # (start event, end event, tokens), appended by the worker thread
         self.seconds, self.tokens = 0.0, 0

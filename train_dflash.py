@@ -546,12 +546,17 @@ class Metrics:
         self.f.flush()
 
 
+def measured_enough(clock: dict) -> bool:
+    """A BusyClock's poll() (or a peer's heartbeat carrying it) holds enough work for a rate: ~2.5 micro-batches."""
+    return bool(clock) and clock.get("busy_tok", 0) >= 5 * TOKEN_BUDGET // 2 and clock.get("busy_s", 0) > 0
+
+
 def report_split(peers, d, row) -> bool:
     """Once every rank has computed a few micro-batches: each role's measured capacity (tokens per busy second per
     GPU) and the split planner.recommend_split gives for this many GPUs. Returns whether it could report."""
     rates = {}
     for r, info in peers.items():
-        if not info or info.get("busy_tok", 0) < 5 * TOKEN_BUDGET // 2 or info.get("busy_s", 0) <= 0:
+        if not measured_enough(info):
             return False
         rates.setdefault(d.roles[r], []).append(info["busy_tok"] / info["busy_s"])
     tgt, dft = (sum(v) / len(v) for v in (rates["target"], rates["drafter"]))
@@ -1051,6 +1056,7 @@ class Meter:
     micro_batches: int = 0
     tgt_n_prev: int = 0            # micro-batches the target ranks had made at the last status line
     split_reported: bool = False
+    run_tokens: int = 0            # this rank's tokens over the whole run (the split report's wait needs them)
 
 
 def train(run):
@@ -1139,6 +1145,7 @@ def micro_batch_done(run, meter, item):
         torch.save({"g": item.g, "rank": run.d.rank, "features": item.features.cpu(), "lengths": item.lengths,
                     "input_ids": item.input_ids}, dump / f"g{item.g:06d}.pt")
     meter.tokens += item.tokens
+    meter.run_tokens += item.tokens
     meter.micro_batches += 1
     if run.watchdog:
         run.watchdog.progress()
@@ -1209,12 +1216,16 @@ def status_line(run, meter, params, lr, now):
                "ddp_weight_spread": spread}
         if not meter.split_reported:
             meter.split_reported = report_split(peers, d, row)
-            if not meter.split_reported and step == run.total_steps and run.watchdog:
-                # a run shorter than a few heartbeats: the peers' busy clocks arrive with their next beats
-                end = time.monotonic() + 3 * run.watchdog.interval
-                while not meter.split_reported and time.monotonic() < end:
-                    time.sleep(0.2)
-                    meter.split_reported = report_split(run.watchdog.peer_states(), d, row)
+            # enough work for this rank's clock to count (past its skipped first units), so the wait can succeed
+            enough = meter.run_tokens >= 5 * TOKEN_BUDGET // 2 + BusyClock.SKIP * TOKEN_BUDGET
+            if not meter.split_reported and step == run.total_steps and enough and run.watchdog:
+                # a run shorter than a few heartbeats: the peers' busy clocks arrive with their next beats. A pause:
+                # this wait makes no progress, and a short STALL_TIMEOUT must not take it for a stall
+                with run.watchdog.pause("waiting for the peers' busy clocks (the split report)"):
+                    end = time.monotonic() + 3 * run.watchdog.interval
+                    while not meter.split_reported and time.monotonic() < end:
+                        time.sleep(0.2)
+                        meter.split_reported = report_split(run.watchdog.peer_states(), d, row)
         run.metrics.write(row)
         tau = f" tau={run.last_eval['tau']:.2f}" if run.last_eval else ""
         dpace = f" dpace={row['objective']:.3f}" if LOSS_WEIGHTING == "dpace" else ""
