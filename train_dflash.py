@@ -546,9 +546,14 @@ class Metrics:
         self.f.flush()
 
 
+def split_min_tokens() -> int:
+    """Busy tokens a rank's clock must hold before its rate counts for the split report: ~2.5 micro-batches."""
+    return 5 * TOKEN_BUDGET // 2
+
+
 def measured_enough(clock: dict) -> bool:
-    """A BusyClock's poll() (or a peer's heartbeat carrying it) holds enough work for a rate: ~2.5 micro-batches."""
-    return bool(clock) and clock.get("busy_tok", 0) >= 5 * TOKEN_BUDGET // 2 and clock.get("busy_s", 0) > 0
+    """A peer's heartbeat carries a BusyClock with enough work for a rate."""
+    return bool(clock) and clock.get("busy_tok", 0) >= split_min_tokens() and clock.get("busy_s", 0) > 0
 
 
 def report_split(peers, d, row) -> bool:
@@ -1217,7 +1222,7 @@ def status_line(run, meter, params, lr, now):
         if not meter.split_reported:
             meter.split_reported = report_split(peers, d, row)
             # enough work for this rank's clock to count (past its skipped first units), so the wait can succeed
-            enough = meter.run_tokens >= 5 * TOKEN_BUDGET // 2 + BusyClock.SKIP * TOKEN_BUDGET
+            enough = meter.run_tokens >= split_min_tokens() + BusyClock.SKIP * TOKEN_BUDGET
             if not meter.split_reported and step == run.total_steps and enough and run.watchdog:
                 # a run shorter than a few heartbeats: the peers' busy clocks arrive with their next beats. A pause:
                 # this wait makes no progress, and a short STALL_TIMEOUT must not take it for a stall
@@ -1279,8 +1284,8 @@ def whole_drafter(dcfg, state, device) -> Drafter:
 
 def evaluate(run, drafter):
     """tau of the current drafter (run.drafter, or its whole copy when sharded) on EVAL_PROMPTS, on this rank; peers
-    wait at the next collective, targets keep filling the queues. The watchdog knows (its stall check pauses), and the HF target it loads in EVAL_DTYPE
-    is freed afterwards (planner.py counts it in the drafter's peak)."""
+    wait at the next collective, targets keep filling the queues. The watchdog knows (its stall check pauses), and
+    the HF target it loads in EVAL_DTYPE is freed afterwards (planner.py counts it in the drafter's peak)."""
     d, setup = run.d, run.eval_setup
     run.opt.wait_all()
     t = time.time()
