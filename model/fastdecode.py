@@ -336,5 +336,5 @@ class DraftState:
         # scores materialised: ~10 kernels)
         q = qk[:, :self.n_heads].transpose(0, 1).reshape(1, self.n_kv, self.group * M, D)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                       # [1, nkv, group*B, D]
-        x = x + attn.o_proj(o.view(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D))
+        x = x + attn.o_proj(o.reshape(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D))
         return x + layer.mlp(layer.post_attention_layernorm(x))

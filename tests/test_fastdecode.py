@@ -145,6 +145,17 @@ def test_fast_speculative_equals_decode_with_a_trained_drafter(trained):
     assert set(s for row in steps for s in row) == set(range(1, B + 1))   # every accepted length occurs
 
 
+def test_attention_output_in_the_cuda_kernels_layout(trained, monkeypatch):
+    """CUDA's flash and efficient SDPA kernels return [1, heads, n, D] as a transposed [1, n, heads, D] buffer, not
+    the contiguous tensor the CPU's math kernel returns; the loop must not assume either (a .view there failed on the
+    H200). Same values, that layout: the loop still equals the decode loop."""
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    model, drafter, prompts = trained
+    same_as_decode(model, drafter, prompts)
+
+
 def test_eos_and_max_new_tokens_cut_a_block(trained):
     model, drafter, prompts = trained
     p = prompts[1]
