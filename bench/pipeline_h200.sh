@@ -124,7 +124,7 @@ if want gen; then
 stage gen
 tests_pid=
 [ "${SMOKE:-0}" = 1 ] || { ( ONLY=tests bash bench/throughput_h200.sh "$OUT/gpu" > "$OUT/gpu_tests.txt" 2>&1 ) & tests_pid=$!; }
-Q gen
+Q gen || say "PART=gen failed (rc $?): see above"
 head -n 200 "$WORK/gen/smollm2.jsonl" > "$OUT/gen_sample.jsonl"
 ( Q pack > "$OUT/pack.txt" 2>&1 ) &      # the set goes home with the polls (a later lease carries it back)
 [ -n "$tests_pid" ] && wait $tests_pid && tail -4 "$OUT/gpu_tests.txt"
@@ -132,20 +132,20 @@ fi
 
 if want prep; then
 stage prep
-Q prep
+Q prep || say "PART=prep failed (rc $?): see above"
 fi
 
 if want train; then
 stage train
 export TRAIN_SECONDS=$(( $(left) - EVAL_RESERVE - ${FP8_RESERVE:-0} ))
-Q train
+Q train || say "PART=train failed (rc $?): see above"
 fi
 
 if want eval; then
 stage eval
 live=$(cat "$JOB/live_tree")
 rm -rf "$WORK/repo_eval" && cp -a "$live" "$WORK/repo_eval" && cd "$WORK/repo_eval"
-EQUAL_STEPS=${EQUAL_STEPS:-1} Q eval
+EQUAL_STEPS=${EQUAL_STEPS:-1} Q eval || say "PART=eval failed (rc $?): see above"
 cd - > /dev/null
 fi
 if want fp8; then

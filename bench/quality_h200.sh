@@ -32,7 +32,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$WORK" "$OUT"
 if [ "$SMOKE" = 1 ]; then
-    NUM=${NUM:-24}; SLOTS=${SLOTS:-8}; NEW=${NEW:-24}; PTOK=${PTOK:-32}; SIZES=${SIZES:-8 16 all}
+    NUM=${NUM:-24}; SLOTS=${SLOTS:-8}; NEW=${NEW:-24}; PTOK=${PTOK:-32}; SIZES=${SIZES:-8 16 all free8}
     STEPS=${STEPS:-4}; BUDGET=${BUDGET:-512}; ANCHORS=${ANCHORS:-16}; LAYERS=${LAYERS:-1}; EVAL_LIMIT=${EVAL_LIMIT:-3}
     EVAL_NEW=${EVAL_NEW:-16}; DEV=cpu; DT=float32
 else
@@ -120,7 +120,9 @@ part_prep() {
         local src=$GEN
         [ "$n" = ship ] && continue                      # the shipped set, data/default/smollm2, already prepared
         # freeN: the first N rows no opener steered (--openers' "free" share, and the shipped prompts)
-        case $n in all) ;; free*) src=$WORK/gen/$n.jsonl; grep -v '"opener": ' "$GEN" | head -n "${n#free}" > "$src" ;;
+        # (awk, not grep | head: head's early exit is a SIGPIPE that pipefail and errexit turn into this part's end)
+        case $n in all) ;; free*) src=$WORK/gen/$n.jsonl
+                                  awk -v n="${n#free}" '!/"opener": / {print; if (++k == n) exit}' "$GEN" > "$src" ;;
                    *) src=$WORK/gen/first_$n.jsonl; head -n "$n" "$GEN" > "$src" ;; esac
         [ -f "$WORK/prep_$n/stats.json" ] && [ "$n" != all ] && continue
         $PY -m data.prepare --tokenizer "$SMOL" --out "$WORK/prep_$n" --max-len 2048 --overwrite "$src" 2>&1 | tail -4
@@ -150,15 +152,18 @@ part_train() {
     done
 }
 
-last_drafter() { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null | sort | tail -1; }
-steps_of() { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null | sed 's|.*/step_0*\([0-9][0-9]*\)/drafter|\1|'; }
+# (|| true: a run with no checkpoint yet, e.g. one that failed to start, is left out, not the end of the part)
+last_drafter() { { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null || true; } | sort | tail -1; }
+steps_of() { { ls -d "$WORK/runs/$1"/checkpoints/step_*/drafter 2>/dev/null || true; } | \
+    sed 's|.*/step_0*\([0-9][0-9]*\)/drafter|\1|'; }
 
-# EQUAL_STEPS=1: the largest checkpoint step that every run has (runs sharing one GPU for one wall time reach
-# different steps; the curve and the levers compare at equal steps)
+# EQUAL_STEPS=1: the largest checkpoint step that every run with a checkpoint has (runs sharing one GPU for one
+# wall time reach different steps; the curve and the levers compare at equal steps)
 common_step() {
-    local name size extra
+    local name size extra n=0
+    for run in $RUNS; do IFS=: read -r name size extra <<< "$run"; [ -n "$(steps_of "$name")" ] && n=$((n + 1)); done
     for run in $RUNS; do IFS=: read -r name size extra <<< "$run"; steps_of "$name" | sort -u; done | \
-        sort -n | uniq -c | awk -v n="$(wc -w <<< "$RUNS")" '$1 == n {s = $2} END {print s}'
+        sort -n | uniq -c | awk -v n="$n" '$1 == n {s = $2} END {print s}'
 }
 
 part_eval() {
@@ -168,8 +173,9 @@ part_eval() {
         IFS=: read -r name size extra <<< "$run"
         if [ -n "$step" ]; then d=$(printf "%s/checkpoints/step_%06d/drafter" "$WORK/runs/$name" "$step")
         else d=$(last_drafter "$name"); fi
-        [ -d "$d" ] && drafters+=("$d")
+        if [ -d "$d" ]; then drafters+=("$d"); else say "eval: $name has no checkpoint${step:+ at step $step}: left out"; fi
     done
+    [ ${#drafters[@]} -gt 0 ] || { say "eval: no run has a checkpoint"; return 1; }
     local lim=(); [ "$EVAL_LIMIT" != 0 ] && lim=(--limit "$EVAL_LIMIT")
     tar czf "$OUT/runs_logs.tgz" -C "$WORK" $(cd "$WORK" && ls -d runs/*/train.log runs/*/metrics.jsonl runs/*/run.json 2>/dev/null) 2>/dev/null || true
     $PY eval_dflash.py --method walk --target "$SMOL" --drafter "${drafters[@]}" --prompts data/default/eval_prompts.jsonl \
