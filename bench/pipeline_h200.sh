@@ -100,6 +100,8 @@ stage() { echo "$1" > "$JOB/stage"; say "stage $1 ($(left) s left)"; }
 export PY=${PY:-python3} OUT=$WORK/out PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 export SMOL=${SMOL:-$WORK/smollm2-135m-instruct}
+# the GPU tests look for SmolLM2 under $DFLASH_CACHE (tests/conftest.py): the one converted here
+[ "$SMOL" = "$WORK/smollm2-135m-instruct" ] && export DFLASH_CACHE=$WORK
 Q() { PART="$1" bash bench/quality_h200.sh; }
 # SMOKE=1: a CPU rehearsal of the whole chain in minutes (tiny numbers; no GPU tests, no FP8)
 AB2=(--slots 2048 --prompts 4096 --new 256)
