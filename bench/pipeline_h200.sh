@@ -73,10 +73,12 @@ fi
 # --- the job (run from the snapshot) ---------------------------------------------------------------------------
 # PLAN=curve (the default): the data curve and the openers at the default recipe. PLAN=levers, for a lease that
 # carried a generated set back (PART=unpack): the recipe's levers on all its rows, one run each, equal steps; each
-# run's steps/s sharing the GPU (metrics) is its GPU-time cost, which the anchor density and the layer count change
+# run's steps/s sharing the GPU (metrics) is its GPU-time cost, which the anchor density and the layer count change.
+# base is the curve's 100K run (2026-12-02: tau 1.94 at the end of 1,200 steps) on a 3,000-step schedule: against
+# it, what a longer schedule on the same rows buys. The FP8 bench gets what is left (~200 s: no generation)
 PLAN=${PLAN:-curve}
 if [ "$PLAN" = levers ]; then
-    STAGES=${STAGES:-gen prep train eval}
+    STAGES=${STAGES:-gen prep train eval fp8}
     export SIZES=${SIZES:-all} STEPS=${STEPS:-3000} SAVE_EVERY=${SAVE_EVERY:-500} GEN_SECONDS=${GEN_SECONDS:-300}
     export RUNS=${RUNS:-"base:all: anchors2k:all:--MAX_ANCHORS=2048 gamma4:all:--GAMMA=4 lr2x:all:--LR=1.2e-3 noise:all:--NOISE=0.05 layers3:all:--NUM_DRAFT_LAYERS=3"}
 fi
