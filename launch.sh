@@ -75,7 +75,7 @@ else
     if [ "$CPU_DEMO" = 1 ] && ! has_flag TARGET "$@" && ! has_flag DATA "$@"; then
         # the CPU demo: small blocks and few anchors so a 2-core machine trains SmolLM2's drafter in ~15 minutes
         # (taps 1 and 13 of 30: the target forward, the slowest part on a CPU, stops at layer 13)
-        DEMO=(--TOKEN_BUDGET=2048 --MAX_BATCH_SIZE=16 --MAX_ANCHORS=128 --BLOCK_SIZE=8 --GAMMA=4 --NUM_DRAFT_LAYERS=2
+        DEMO=(--TOKEN_BUDGET=2048 --MAX_BATCH_SIZE=16 --MAX_ANCHORS=128 --BLOCK_SIZE=8 --NUM_DRAFT_LAYERS=2
               --TARGET_LAYER_IDS=1,13 --LR=1e-3 --MAX_STEPS=400 --SAVE_EVERY=100 --LOG_EVERY=10)
         echo "launch: CPU demo settings ${DEMO[*]}; flags given override them (CPU_DEMO=0: none)"
     fi

@@ -65,7 +65,7 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 # --- objective ------------------------------------------------------------------------------------------------------
 MAX_ANCHORS = 512           # blocks per micro-batch (anchors sampled without replacement, fresh every step)
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
-GAMMA = 7.0                 # loss weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
+GAMMA = 7.0                 # LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
 LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 6)
                             # | exp (exp(-(k-1)/GAMMA), the paper's)
 DPACE_ALPHA = 0.5           # D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
@@ -148,9 +148,13 @@ RANGES = {
 
 # --- configuration ----------------------------------------------------------------------------------------------------
 
+_GIVEN: set[str] = set()      # the names set on the command line (parse_overrides)
+
+
 def parse_overrides(argv: list[str]) -> dict:
     """--NAME=VALUE for the constants above; unknown names and wrong types are errors."""
     g = globals()
+    _GIVEN.clear()
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             sys.exit(f"error: arguments are --NAME=VALUE, got {arg!r}")
@@ -169,6 +173,7 @@ def parse_overrides(argv: list[str]) -> dict:
                 g[name] = type(default)(value)
         except ValueError:
             sys.exit(f"error: --{name}={value!r} is not a valid {type(default).__name__} (default: {default!r})")
+        _GIVEN.add(name)
     return {k: g[k] for k in CONFIG_KEYS}
 
 
@@ -788,6 +793,9 @@ def log_plan(d, config, data, sched, dcfg, step, total_steps, resume_path, init_
     elif INIT_FROM:
         for note in init_notes:
             log(note)
+    if "GAMMA" in _GIVEN and LOSS_WEIGHTING == "dpace":
+        log(f"NOTE: GAMMA={GAMMA} is not used: LOSS_WEIGHTING=dpace weighs a block's slots by the drafter's own "
+            f"confidence (DPACE_ALPHA is its setting); GAMMA is the decay of LOSS_WEIGHTING=exp")
 
 
 def write_run_info(d, out_dir, config, data, dcfg, fingerprint, resume_path):

@@ -80,7 +80,7 @@ PLAN=${PLAN:-curve}
 if [ "$PLAN" = levers ]; then
     STAGES=${STAGES:-gen prep train eval fp8}
     export SIZES=${SIZES:-all} STEPS=${STEPS:-3000} SAVE_EVERY=${SAVE_EVERY:-500} GEN_SECONDS=${GEN_SECONDS:-300}
-    export RUNS=${RUNS:-"base:all: anchors2k:all:--MAX_ANCHORS=2048 gamma4:all:--GAMMA=4 lr2x:all:--LR=1.2e-3 noise:all:--NOISE=0.05 layers3:all:--NUM_DRAFT_LAYERS=3"}
+    export RUNS=${RUNS:-"base:all: anchors2k:all:--MAX_ANCHORS=2048 exp:all:--LOSS_WEIGHTING=exp lr2x:all:--LR=1.2e-3 noise:all:--NOISE=0.05 layers3:all:--NUM_DRAFT_LAYERS=3"}
 fi
 STAGES=${STAGES:-ab gen prep train eval fp8}
 want() { [[ " $STAGES " == *" $1 "* ]]; }

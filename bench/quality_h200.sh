@@ -139,7 +139,7 @@ part_train() {
         # one process per run (target forward on its feeder thread, drafter on the main thread), all on the one GPU
         timeout -s TERM "${TRAIN_SECONDS:-100000}" $PY train_dflash.py --TARGET="$SMOL" --DATA="$data" \
             --OUT_DIR="$WORK/runs/$name" --DEVICE="$DEV" --TOKEN_BUDGET="$BUDGET" --MAX_BATCH_SIZE=64 \
-            --MAX_ANCHORS="$ANCHORS" --BLOCK_SIZE=16 --GAMMA=7 --NUM_DRAFT_LAYERS="$LAYERS" --MAX_STEPS="$STEPS" \
+            --MAX_ANCHORS="$ANCHORS" --BLOCK_SIZE=16 --NUM_DRAFT_LAYERS="$LAYERS" --MAX_STEPS="$STEPS" \
             --LR=6e-4 --SAVE_EVERY=${SAVE_EVERY:-$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))} --KEEP_LAST=5 --LOG_EVERY=50 $extra \
             >> "$WORK/runs/$name/train.log" 2>&1 &
         pids+=($!)

@@ -24,7 +24,7 @@ if [[ " $STAGES " == *" train "* ]]; then
     if (( NGPU >= 2 )); then RUN=($PY -m torch.distributed.run --nproc-per-node 2 train_dflash.py); else RUN=($PY train_dflash.py); fi
     # TRAIN_SECONDS bounds the run inside one device call: SIGTERM makes it save and stop at the next step
     timeout -s TERM ${TRAIN_SECONDS:-100000} "${RUN[@]}" --TARGET="$SMOL" --OUT_DIR="$OUT" \
-        --TOKEN_BUDGET=8192 --MAX_BATCH_SIZE=64 --MAX_ANCHORS=512 --BLOCK_SIZE=16 --GAMMA=7 --NUM_DRAFT_LAYERS=5 \
+        --TOKEN_BUDGET=8192 --MAX_BATCH_SIZE=64 --MAX_ANCHORS=512 --BLOCK_SIZE=16 --NUM_DRAFT_LAYERS=5 \
         --EPOCHS=${EPOCHS:-30} --LR=${LR:-6e-4} --SAVE_EVERY=${SAVE_EVERY:-330} --KEEP_LAST=50 --LOG_EVERY=50 \
         --COMPILE_DRAFTER=${COMPILE_DRAFTER:-off} 2>&1 | tee -a "$OUT/train.log" | grep -v "Loading weights\|Writing model" || true
     echo "train wall: $(( $(date +%s) - START )) s"

@@ -181,6 +181,10 @@ def test_bogus_setting_and_dry_run(assets, tmp_path):
     target, data = assets
     r = ok(run(1, base_args(target, data, tmp_path / "out", DRY_RUN=True)))
     assert "DRY_RUN" in r.stdout and "load target" not in r.stdout
+    # base_args sets GAMMA, which only the exp weighting uses: the default dpace says so, exp does not
+    assert "NOTE: GAMMA=4.0 is not used: LOSS_WEIGHTING=dpace" in r.stdout
+    r = ok(run(1, base_args(target, data, tmp_path / "out", DRY_RUN=True, LOSS_WEIGHTING="exp")))
+    assert "DRY_RUN" in r.stdout and "GAMMA=4.0 is not used" not in r.stdout
 
 
 SMOL = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
