@@ -19,7 +19,8 @@ the model continues (e.g. "Complete the following Python function.\\n\\n```pytho
 to complete; no trailing space: the model's next token carries its own); an empty text leaves the model free. An
 instruction-tuned model of a few hundred million parameters, left free, writes chat questions and rarely code, while
 a drafter is judged on code too. The row keeps the text under "opener"; a user turn that is only the opener (the
-model ended the turn at once) is empty_user.
+model ended the turn at once) is empty_user. A row may set its own "prompt_tokens", the cap on the model's
+continuation of that opener (default --prompt-tokens): a prompt that carries code needs more room than a question.
 
 Two streams of rows, each numbered from 0 by its candidates: `self/<i>` (self-written) and, with --mix, `mix/<j>`:
 draw j answers the prompt perm[j % M] of the M prompts of the mix file (perm: a shuffle seeded by --seed; the
@@ -62,6 +63,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from collections import deque
 
@@ -117,35 +119,50 @@ def sample_key(stream: str, index: int, turn: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # 62 bits: room for the engine's own arithmetic on it
 
 
-def pick_opener(openers, seed: int, index: int) -> str:
-    """The opener text of candidate self/<index>: drawn by weight from a hash of (seed, index) alone, so a resumed or
-    re-windowed run draws the same. "" without --openers."""
+class Opener(NamedTuple):
+    name: str
+    text: str
+    weight: float
+    prompt_tokens: int | None = None  # the cap on the model's continuation of it (None: --prompt-tokens)
+
+
+def draw_opener(openers, seed: int, index: int) -> Opener | None:
+    """The opener of candidate self/<index>: drawn by weight from a hash of (seed, index) alone, so a resumed or
+    re-windowed run draws the same. None without --openers."""
     if not openers:
-        return ""
+        return None
     digest = hashlib.blake2b(f"opener/{seed}/{index}".encode(), digest_size=8).digest()
-    u = (int.from_bytes(digest, "little") >> 11) / 2 ** 53 * sum(w for _, _, w in openers)     # uniform in [0, total)
-    for _, text, w in openers:
-        u -= w
+    u = (int.from_bytes(digest, "little") >> 11) / 2 ** 53 * sum(o.weight for o in openers)   # uniform in [0, total)
+    for o in openers:
+        u -= o.weight
         if u < 0:
-            return text
-    return openers[-1][1]
+            return o
+    return openers[-1]
 
 
-def read_openers(path: Path) -> list[tuple[str, str, float]]:
-    """--openers FILE -> [(name, text, weight)]; SystemExit naming the line for a malformed one."""
+def pick_opener(openers, seed: int, index: int) -> str:
+    """draw_opener's text ("" without --openers)."""
+    o = draw_opener(openers, seed, index)
+    return o.text if o else ""
+
+
+def read_openers(path: Path) -> list[Opener]:
+    """--openers FILE -> [Opener]; SystemExit naming the line for a malformed one."""
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            text, weight = row["text"], float(row.get("weight", 1.0))
+            text, weight, cap = row["text"], float(row.get("weight", 1.0)), row.get("prompt_tokens")
             assert isinstance(text, str) and weight > 0 and math.isfinite(weight)
+            assert cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1)
         except (ValueError, KeyError, TypeError, AssertionError):
             raise SystemExit(f"synthesize: {path}:{n} is not an opener: want a JSON object with a \"text\" string "
-                             f"(\"\" leaves the model free) and an optional \"weight\" > 0, e.g. "
+                             f"(\"\" leaves the model free), an optional \"weight\" > 0 and an optional "
+                             f"\"prompt_tokens\" integer >= 1, e.g. "
                              f'{{"name": "code", "text": "Write a Python function that", "weight": 10}}')
-        out.append((str(row.get("name", n)), text, weight))
+        out.append(Opener(str(row.get("name", n)), text, weight, cap))
     if not out:
         raise SystemExit(f"synthesize: --openers {path} holds no opener")
     return out
@@ -252,6 +269,7 @@ class Item:
     turn: int = 0                 # generations done: the key of the next one
     reason: str | None = None     # set when rejected
     opener: str = ""              # the start of the first self-written user turn (--openers)
+    prompt_tokens: int | None = None  # its opener's cap on the user turn the model writes (None: --prompt-tokens)
 
     def key(self) -> int:
         return sample_key(self.stream, self.index, self.turn)
@@ -263,7 +281,7 @@ class Synth:
     def __init__(self, engine, tok, stops, filters, args, mix_prompts, openers=()):
         self.engine, self.tok, self.stops, self.filters, self.args = engine, tok, stops, filters, args
         self.mix_prompts = mix_prompts  # [(prompt id, [user texts])], in the seeded shuffled order
-        self.openers = list(openers)    # [(name, text, weight)] (--openers)
+        self.openers = list(openers)    # [Opener] (--openers)
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.tokens, self.t0, self.last_post = 0, time.time(), 0.0
         self.pending = deque()          # the engine's queue: requests whose tag is their Item
@@ -277,10 +295,11 @@ class Synth:
                "messages": list(self.system), "finish_reasons": []}
         if stream == "self":
             row["user_finish_reasons"] = []
-            opener = pick_opener(self.openers, self.args.seed, index)
-            if opener:
-                row["opener"] = opener
-            return Item(stream, index, row, ["write", "answer"] * self.args.turns, opener=opener)
+            o = draw_opener(self.openers, self.args.seed, index)
+            if o and o.text:
+                row["opener"] = o.text
+            return Item(stream, index, row, ["write", "answer"] * self.args.turns, opener=o.text if o else "",
+                        prompt_tokens=o.prompt_tokens if o else None)
         pid, users = self.mix_prompts[index % len(self.mix_prompts)]
         row["prompt_id"] = pid
         return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (("ask", u), "answer")])
@@ -296,8 +315,9 @@ class Synth:
         a = self.args
         if it.steps[0] == "write":
             first = not F.user_turns(it.row)
+            cap = it.prompt_tokens if first and it.prompt_tokens else a.prompt_tokens   # the opener's, first turn
             req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"]) + it.opener * first),
-                          a.prompt_tokens, a.prompt_temperature, it.key(), it)
+                          cap, a.prompt_temperature, it.key(), it)
         else:
             req = Request(encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True)),
                           a.max_new_tokens, a.temperature, it.key(), it)
@@ -495,9 +515,11 @@ def main(argv=None) -> dict:
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []
     longest_mix = max((len(encode(tok, u)) for _, users in mix_prompts for u in users[:args.turns]), default=0)
-    longest_opener = max((len(encode(tok, text)) for _, text, _ in openers), default=0)
+    # the longest first user turn an opener can make: its text and its cap (a later turn: --prompt-tokens)
+    longest_opener = max((len(encode(tok, o.text)) + (o.prompt_tokens or args.prompt_tokens) for o in openers),
+                         default=args.prompt_tokens)
     max_len = (len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
-               + args.turns * (max(args.prompt_tokens + longest_opener, longest_mix) + args.max_new_tokens
+               + args.turns * (max(longest_opener, args.prompt_tokens, longest_mix) + args.max_new_tokens
                                + 2 * TURN_OVERHEAD))
     print(f"synthesize: {kept0:,} rows already in {args.out} (self {stats['self']['kept']:,}, mix "
           f"{stats['mix']['kept']:,}), want {args.num:,} (self {want['self']:,}, mix {want['mix']:,}); "

@@ -146,7 +146,7 @@ class ScriptedEngine:
     the stop token, some run past max_new_tokens, some copy a BANK sentence (duplicates) or loop (repetition)."""
 
     def __init__(self, tok, seed, stop_after=True):
-        self.tok, self.seed, self.stop_after, self.prompts = tok, seed, stop_after, []
+        self.tok, self.seed, self.stop_after, self.prompts, self.max_new = tok, seed, stop_after, [], []
 
     def run(self, pending, *, stop_ids, sampled=None):
         assert stop_ids
@@ -155,6 +155,7 @@ class ScriptedEngine:
             random.Random(len(self.prompts)).shuffle(batch)  # completion order is the engine's business
             for r in batch:
                 self.prompts.append(r.prompt)
+                self.max_new.append(r.max_new)
                 yield r, *self.draw(r.key, r.max_new)        # the consumer appends follow-ups meanwhile
 
     def draw(self, key, max_new_tokens):
@@ -338,7 +339,7 @@ def test_openers_start_the_user_turns(tmp_path, qwen3_dir, scripted):
 
 
 def test_opener_draw_weights_and_bad_files(tmp_path):
-    ops = [("a", "A ", 1.0), ("b", "B ", 3.0)]
+    ops = [syn.Opener("a", "A ", 1.0), syn.Opener("b", "B ", 3.0)]
     draws = [syn.pick_opener(ops, 0, i) for i in range(4000)]
     assert abs(draws.count("B ") / 4000 - 0.75) < 0.03                # the weights, within 4 standard errors
     assert draws == [syn.pick_opener(ops, 0, i) for i in range(4000)]  # (seed, index) alone
@@ -352,14 +353,37 @@ def test_opener_draw_weights_and_bad_files(tmp_path):
     bad.write_text('{"text": "ok "}\n{"text": "x", "weight": 0}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:2 is not an opener"):
         syn.read_openers(bad)
+    for cap in ("0", '"8"', "true", "2.5"):
+        bad.write_text('{"text": "ok "}\n{"text": "x", "prompt_tokens": %s}\n' % cap)
+        with pytest.raises(SystemExit, match="bad.jsonl:2 is not an opener.*prompt_tokens"):
+            syn.read_openers(bad)
     bad.write_text("\n")
     with pytest.raises(SystemExit, match="holds no opener"):
         syn.read_openers(bad)
 
 
+def test_an_openers_own_prompt_cap(tmp_path, qwen3_dir, scripted):
+    """An opener's "prompt_tokens" caps the user turn the model writes after it; the others keep --prompt-tokens,
+    the answers --max-new-tokens."""
+    ops = write_openers(tmp_path / "openers.jsonl", [{"name": "free", "text": "", "weight": 1},
+                                                     {"name": "py", "text": "Write a Python function that",
+                                                      "weight": 1, "prompt_tokens": 40}])
+    assert syn.read_openers(ops)[1] == syn.Opener("py", "Write a Python function that", 1.0, 40)
+    syn.main(["--model", str(qwen3_dir), "--num", "20", "--out", str(tmp_path / "o.jsonl"), "--prompt-tokens", "6",
+              "--max-new-tokens", "16", "--batch-size", "4", "--openers", str(ops)])
+    tok = cached_tokenizer(str(qwen3_dir))
+    caps = {}
+    for p, n in zip(scripted.engines[0].prompts, scripted.engines[0].max_new):
+        text = tok.decode(p)
+        kind = "py" if text.endswith("user\nWrite a Python function that") else \
+            "free" if text.endswith("<|im_start|>user\n") else "answer"
+        caps.setdefault(kind, set()).add(n)
+    assert caps == {"py": {40}, "free": {6}, "answer": {16}}
+
+
 def test_shipped_openers_file_parses():
     ops = syn.read_openers(Path("data/default/openers.jsonl"))
-    assert len({n for n, _, _ in ops}) == len(ops) and any(t == "" for _, t, _ in ops)
+    assert len({o.name for o in ops}) == len(ops) and any(o.text == "" for o in ops)
 
 
 def test_attempts_cap_and_changed_settings(tmp_path, qwen3_dir, scripted, capsys):

@@ -32,7 +32,7 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     if a.out.exists():
         sys.exit(f"self_eval_prompts: {a.out} exists; a held-out set is made once (delete it to remake it)")
-    names = {text: name for name, text, _ in synthesize.read_openers(a.openers)}
+    names = {o.text: o.name for o in synthesize.read_openers(a.openers)}
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "rows.jsonl"
         synthesize.main(["--model", a.model, "--num", str(a.num), "--out", str(raw), "--seed", str(a.seed),
