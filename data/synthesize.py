@@ -140,10 +140,7 @@ def draw_opener(openers, seed: int, index: int) -> Opener | None:
     return openers[-1]
 
 
-def pick_opener(openers, seed: int, index: int) -> str:
-    """draw_opener's text ("" without --openers)."""
-    o = draw_opener(openers, seed, index)
-    return o.text if o else ""
+NO_OPENER = Opener("", "", 1.0)     # a self row without --openers: the model writes the whole turn, --prompt-tokens
 
 
 def read_openers(path: Path) -> list[Opener]:
@@ -268,8 +265,7 @@ class Item:
     steps: list
     turn: int = 0                 # generations done: the key of the next one
     reason: str | None = None     # set when rejected
-    opener: str = ""              # the start of the first self-written user turn (--openers)
-    prompt_tokens: int | None = None  # its opener's cap on the user turn the model writes (None: --prompt-tokens)
+    opener: Opener = NO_OPENER    # the start of the first self-written user turn and its cap (--openers)
 
     def key(self) -> int:
         return sample_key(self.stream, self.index, self.turn)
@@ -295,11 +291,10 @@ class Synth:
                "messages": list(self.system), "finish_reasons": []}
         if stream == "self":
             row["user_finish_reasons"] = []
-            o = draw_opener(self.openers, self.args.seed, index)
-            if o and o.text:
+            o = draw_opener(self.openers, self.args.seed, index) or NO_OPENER
+            if o.text:
                 row["opener"] = o.text
-            return Item(stream, index, row, ["write", "answer"] * self.args.turns, opener=o.text if o else "",
-                        prompt_tokens=o.prompt_tokens if o else None)
+            return Item(stream, index, row, ["write", "answer"] * self.args.turns, opener=o)
         pid, users = self.mix_prompts[index % len(self.mix_prompts)]
         row["prompt_id"] = pid
         return Item(stream, index, row, [s for u in users[:self.args.turns] for s in (("ask", u), "answer")])
@@ -315,8 +310,8 @@ class Synth:
         a = self.args
         if it.steps[0] == "write":
             first = not F.user_turns(it.row)
-            cap = it.prompt_tokens if first and it.prompt_tokens else a.prompt_tokens   # the opener's, first turn
-            req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"]) + it.opener * first),
+            cap = (first and it.opener.prompt_tokens) or a.prompt_tokens           # the opener's, first turn only
+            req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"]) + it.opener.text * first),
                           cap, a.prompt_temperature, it.key(), it)
         else:
             req = Request(encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True)),
@@ -336,7 +331,7 @@ class Synth:
         self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
         it.turn += 1
         # the first self-written user turn continues its opener's text (no strip between the two)
-        text = (it.opener + text if it.steps[0] == "write" and not F.user_turns(it.row) else text).strip()
+        text = (it.opener.text + text if it.steps[0] == "write" and not F.user_turns(it.row) else text).strip()
         if it.steps.pop(0) == "answer":
             it.row["messages"].append({"role": "assistant", "content": text})
             it.row["finish_reasons"].append(why)

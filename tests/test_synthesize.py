@@ -340,11 +340,11 @@ def test_openers_start_the_user_turns(tmp_path, qwen3_dir, scripted):
 
 def test_opener_draw_weights_and_bad_files(tmp_path):
     ops = [syn.Opener("a", "A ", 1.0), syn.Opener("b", "B ", 3.0)]
-    draws = [syn.pick_opener(ops, 0, i) for i in range(4000)]
-    assert abs(draws.count("B ") / 4000 - 0.75) < 0.03                # the weights, within 4 standard errors
-    assert draws == [syn.pick_opener(ops, 0, i) for i in range(4000)]  # (seed, index) alone
-    assert draws != [syn.pick_opener(ops, 1, i) for i in range(4000)]  # the seed matters
-    assert syn.pick_opener([], 0, 5) == ""
+    draws = [syn.draw_opener(ops, 0, i).text for i in range(4000)]
+    assert abs(draws.count("B ") / 4000 - 0.75) < 0.03                           # the weights, within 4 SEs
+    assert draws == [syn.draw_opener(ops, 0, i).text for i in range(4000)]  # (seed, index) alone
+    assert draws != [syn.draw_opener(ops, 1, i).text for i in range(4000)]  # the seed matters
+    assert syn.draw_opener([], 0, 5) is None
     # a user turn that is only its opener (the model ended the turn at once) is empty
     filters = F.Filters()
     assert filters.opener_reason({"opener": "Explain", "messages": [user("Explain")]}) == "empty_user"
