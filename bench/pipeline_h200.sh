@@ -82,7 +82,22 @@ if [ "$PLAN" = levers ]; then
     export SIZES=${SIZES:-all} STEPS=${STEPS:-3000} SAVE_EVERY=${SAVE_EVERY:-500} GEN_SECONDS=${GEN_SECONDS:-300}
     export RUNS=${RUNS:-"base:all: anchors2k:all:--MAX_ANCHORS=2048 exp:all:--LOSS_WEIGHTING=exp lr2x:all:--LR=1.2e-3 noise:all:--NOISE=0.05 layers3:all:--NUM_DRAFT_LAYERS=3"}
 fi
+# PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
+# self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered
+# greedily (what greedy verification accepts, the eval's decoding) against 50K at T=0.6 (the sets so far), equal
+# steps; then the recipe's levers on the greedy set. Both sets go home (PART=pack) for later leases to top up.
+if [ "$PLAN" = greedy ]; then
+    STAGES=${STAGES:-gen prep train eval}
+    export SAMPLER=${SAMPLER:-compiled}    # (62.5K tok/s against eager's 43.8K on 2026-12-02, BENCHMARKS.md section 7)
+    export GENS=${GENS:-"greedy:0 smollm2:0.6"} GEN_SETS=${GEN_SETS:-"greedy smollm2"} SIZES=${SIZES:-"set_greedy all"}
+    # (SMOKE=1 keeps bench/quality_h200.sh's tiny numbers)
+    [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-50000} STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-250} \
+        GEN_SECONDS=${GEN_SECONDS:-330}
+    export RUNS=${RUNS:-"t06:all: t0:set_greedy: t0a2k:set_greedy:--MAX_ANCHORS=2048 t0lr2x:set_greedy:--LR=1.2e-3 t0l3:set_greedy:--NUM_DRAFT_LAYERS=3 t0noise:set_greedy:--NOISE=0.05"}
+fi
 STAGES=${STAGES:-ab gen prep train eval fp8}
+# GENS: the sets the gen stage writes in turn, NAME:answer temperature ($WORK/gen/NAME.jsonl), each GEN_SECONDS at most
+export GENS=${GENS:-smollm2:0.6} GEN_SETS=${GEN_SETS:-smollm2}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-1350}
@@ -128,8 +143,12 @@ if want gen; then
 stage gen
 tests_pid=
 [ "${SMOKE:-0}" = 1 ] || { ( ONLY=tests bash bench/throughput_h200.sh "$OUT/gpu" > "$OUT/gpu_tests.txt" 2>&1 ) & tests_pid=$!; }
-Q gen || say "PART=gen failed (rc $?): see above"
-head -n 200 "$WORK/gen/smollm2.jsonl" > "$OUT/gen_sample.jsonl"
+for g in $GENS; do
+    IFS=: read -r gname gtemp <<< "$g"
+    say "gen: $gname, answers at temperature $gtemp"
+    GEN=$WORK/gen/$gname.jsonl TEMP=$gtemp Q gen || say "PART=gen of $gname failed (rc $?): see above"
+    head -n 200 "$WORK/gen/$gname.jsonl" > "$OUT/gen_sample_$gname.jsonl"
+done
 ( Q pack > "$OUT/pack.txt" 2>&1 ) &      # the set goes home with the polls (a later lease carries it back)
 [ -n "$tests_pid" ] && wait $tests_pid && tail -4 "$OUT/gpu_tests.txt"
 fi

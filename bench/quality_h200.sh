@@ -5,7 +5,7 @@
 #   PART=setup2  join the GGUF with .gguf/part-ab, convert it (tools.smollm2), engine == HF generate on SmolLM2
 #   PART=gen     data.synthesize: NUM conversations (self-written + MIX_RATIO shipped prompts), bounded by
 #                GEN_SECONDS (SIGTERM; rerun the part to go on: the run is resumable)
-#   PART=pack    the generated set ($GEN, its rejected rows and stats: what a resumed data.synthesize reads) as
+#   PART=pack    the generated sets (GEN_SETS, with their rejected rows and stats: what a resumed data.synthesize reads) as
 #                xz pieces of PIECE_BYTES in $WORK/home with a MANIFEST (sha256, rows), for bench/pipeline_h200.sh's
 #                poll to bring home: a later lease carries them back (.data/gen) and resumes instead of regenerating
 #   PART=unpack  copy the carried pieces of .data/gen to $WORK/home_in (one call may carry some, the next the rest);
@@ -40,7 +40,9 @@ else
     STEPS=${STEPS:-1500}; BUDGET=${BUDGET:-8192}; ANCHORS=${ANCHORS:-512}; LAYERS=${LAYERS:-5}; EVAL_LIMIT=${EVAL_LIMIT:-0}
     EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16
 fi
-GEN=$WORK/gen/smollm2.jsonl
+GEN=${GEN:-$WORK/gen/smollm2.jsonl}   # the set PART=gen writes (tops up) and PART=prep's sizes cut; TEMP its answers
+TEMP=${TEMP:-0.6}                     # temperature (0 = greedy); set_NAME sizes read $WORK/gen/NAME.jsonl whole
+GEN_SETS=${GEN_SETS:-smollm2}         # the sets PART=pack / unpack move: $WORK/gen/NAME.jsonl and its side files
 OPENERS=${OPENERS-data/default/openers.jsonl}    # OPENERS= : the model writes every prompt free
 # name:data-size:extra flags (the curve at one recipe; then at the largest size the D-PACE lever and the two FP8
 # switches, whose tau cost is measured at equal data and steps)
@@ -74,15 +76,15 @@ part_gen() {
     timeout -s TERM "${GEN_SECONDS:-100000}" $PY -m data.synthesize --model "$SMOL" --num "$NUM" --out "$GEN" --seed 0 \
         --mix data/default/train_prompts.jsonl --mix-ratio 0.02 --max-new-tokens "$NEW" --prompt-tokens "$PTOK" \
         $( [ -n "$OPENERS" ] && echo --openers "$OPENERS" ) \
-        --temperature 0.6 --prompt-temperature 1.0 --batch-size "$SLOTS" --attention "${ATTN:-sdpa}" \
+        --temperature "$TEMP" --prompt-temperature 1.0 --batch-size "$SLOTS" --attention "${ATTN:-sdpa}" \
         $( [ "${SAMPLER:-eager}" = compiled ] && echo --compile-sampler ) \
         --device "$DEV" --dtype "$DT" \
         2>&1 | tr '\r' '\n' | grep -v "^synthesize: *[0-9]*%|" | tail -40 || say "synthesize stopped (rc $?): rerun PART=gen to go on"
     say "rows in $GEN: $(wc -l < "$GEN")"
-    cp "$GEN.stats.json" "$OUT/gen_stats.json" 2>/dev/null || true
+    cp "$GEN.stats.json" "$OUT/gen_stats_$(basename "$GEN" .jsonl).json" 2>/dev/null || true
 }
 
-GEN_FILES=(gen/smollm2.jsonl gen/smollm2.jsonl.rejected.jsonl gen/smollm2.jsonl.stats.json)
+GEN_FILES=(); for s in $GEN_SETS; do GEN_FILES+=(gen/$s.jsonl gen/$s.jsonl.rejected.jsonl gen/$s.jsonl.stats.json); done
 # xz, or Python's lzma (the same format, one thread) where the machine has no xz
 xz_c() { if command -v xz > /dev/null; then xz -T"${PACK_THREADS:-4}" -6; else $PY -c "import lzma, shutil, sys
 with lzma.open(sys.stdout.buffer, 'wb', preset=6) as f: shutil.copyfileobj(sys.stdin.buffer, f)"; fi; }
@@ -90,15 +92,16 @@ xz_d() { if command -v xz > /dev/null; then xz -d; else $PY -c "import lzma, shu
 with lzma.open(sys.stdin.buffer) as f: shutil.copyfileobj(f, sys.stdout.buffer)"; fi; }
 
 part_pack() {
-    [ -f "$GEN" ] || { say "pack: no $GEN"; return 0; }
-    rm -rf "$WORK/home" && mkdir -p "$WORK/home"
     local files=(); for f in "${GEN_FILES[@]}"; do [ -f "$WORK/$f" ] && files+=("$f"); done
+    [ ${#files[@]} -gt 0 ] || { say "pack: none of the sets $GEN_SETS is under $WORK/gen"; return 0; }
+    rm -rf "$WORK/home" && mkdir -p "$WORK/home"
     tar -C "$WORK" -cf - "${files[@]}" | xz_c | \
         split -b "${PIECE_BYTES:-15000000}" -d -a 2 - "$WORK/home/gen.tar.xz.part-"
-    { echo "rows $(wc -l < "$GEN")"; echo "files ${files[*]}"
+    { echo "rows$(for s in $GEN_SETS; do [ -f "$WORK/gen/$s.jsonl" ] && echo -n " $s:$(wc -l < "$WORK/gen/$s.jsonl")"; done)"
+      echo "files ${files[*]}"
       (cd "$WORK/home" && cat gen.tar.xz.part-* | sha256sum | sed 's/-$/gen.tar.xz/'; ls gen.tar.xz.part-* | sed 's/^/piece /')
     } > "$WORK/home/MANIFEST"
-    say "pack: $(wc -l < "$GEN") rows in $(ls "$WORK/home" | grep -c part) pieces, $(du -sh "$WORK/home" | cut -f1)"
+    say "pack: $(grep '^rows' "$WORK/home/MANIFEST") in $(ls "$WORK/home" | grep -c part) pieces, $(du -sh "$WORK/home" | cut -f1)"
 }
 
 part_unpack() {
@@ -112,7 +115,8 @@ part_unpack() {
     got=$(cd "$WORK/home_in" && cat gen.tar.xz.part-* | sha256sum | cut -d" " -f1)
     [ "$want" = "$got" ] || { say "unpack: sha256 $got != MANIFEST's $want: carry the pieces again"; return 1; }
     (cd "$WORK/home_in" && cat gen.tar.xz.part-*) | xz_d | tar -C "$WORK" -xf -
-    say "unpack: $(wc -l < "$GEN") rows in $GEN ($(grep '^rows' "$WORK/home_in/MANIFEST")); PART=gen resumes from them"
+    say "unpack: $(for s in $GEN_SETS; do [ -f "$WORK/gen/$s.jsonl" ] && echo -n "$s $(wc -l < "$WORK/gen/$s.jsonl") rows, "
+        done)($(grep '^rows' "$WORK/home_in/MANIFEST")); PART=gen resumes from them"
 }
 
 part_prep() {
@@ -121,7 +125,8 @@ part_prep() {
         [ "$n" = ship ] && continue                      # the shipped set, data/default/smollm2, already prepared
         # freeN: the first N rows no opener steered (--openers' "free" share, and the shipped prompts)
         # (awk, not grep | head: head's early exit is a SIGPIPE that pipefail and errexit turn into this part's end)
-        case $n in all) ;; free*) src=$WORK/gen/$n.jsonl
+        case $n in all) ;; set_*) src=$WORK/gen/${n#set_}.jsonl ;;
+                   free*) src=$WORK/gen/$n.jsonl
                                   awk -v n="${n#free}" '!/"opener": / {print; if (++k == n) exit}' "$GEN" > "$src" ;;
                    *) src=$WORK/gen/first_$n.jsonl; head -n "$n" "$GEN" > "$src" ;; esac
         [ -f "$WORK/prep_$n/stats.json" ] && [ "$n" != all ] && continue
