@@ -71,16 +71,21 @@ if [ "${1:-}" = poll ]; then
 fi
 
 # --- the job (run from the snapshot) ---------------------------------------------------------------------------
-# PLAN=curve (the default): the data curve and the openers at the default recipe. PLAN=levers, for a lease that
-# carried a generated set back (PART=unpack): the recipe's levers on all its rows, one run each, equal steps; each
-# run's steps/s sharing the GPU (metrics) is its GPU-time cost, which the anchor density and the layer count change.
-# base is the curve's 100K run (2026-12-02: tau 1.94 at the end of 1,200 steps) on a 3,000-step schedule: against
-# it, what a longer schedule on the same rows buys. The FP8 bench gets what is left (~200 s: no generation)
+# PLAN=curve (the default): the data curve and the openers at the default recipe. PLAN=greedy (below): greedy
+# against T=0.6 answers, then the levers at equal steps (run 2026-12-02). PLAN=levers, for a lease that carried
+# those sets back (PART=unpack): the greedy set topped up, then each run to the end of its own schedule, so the
+# denser anchors meet the base density at about equal GPU time (each run's steps/s sharing the GPU, in its
+# metrics, is its cost). The FP8 bench gets what is left.
 PLAN=${PLAN:-curve}
 if [ "$PLAN" = levers ]; then
+    # (carry back the greedy and T=0.6 sets of 2026-12-02 first: PART=unpack with GEN_SETS="greedy smollm2")
     STAGES=${STAGES:-gen prep train eval fp8}
-    export SIZES=${SIZES:-all} STEPS=${STEPS:-3000} SAVE_EVERY=${SAVE_EVERY:-500} GEN_SECONDS=${GEN_SECONDS:-300}
-    export RUNS=${RUNS:-"base:all: anchors2k:all:--MAX_ANCHORS=2048 exp:all:--LOSS_WEIGHTING=exp lr2x:all:--LR=1.2e-3 noise:all:--NOISE=0.05 layers3:all:--NUM_DRAFT_LAYERS=3"}
+    export GENS=${GENS:-"greedy:0"} GEN_SETS=${GEN_SETS:-"greedy smollm2"} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-0}
+    # every run to the end of its own schedule; a2k (2.38 at 1,500 steps) against base at ~1.85x its steps (its GPU
+    # time under contention), longer schedules, a denser and a lower-LR variant
+    [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-100000} STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-500} \
+        GEN_SECONDS=${GEN_SECONDS:-300}
+    export RUNS=${RUNS:-"a2k:set_greedy:--MAX_ANCHORS=2048 base2800:set_greedy:--MAX_STEPS=2800 a2k3000:set_greedy:--MAX_ANCHORS=2048,--MAX_STEPS=3000 a4k:set_greedy:--MAX_ANCHORS=4096 a2klr3:set_greedy:--MAX_ANCHORS=2048,--LR=3e-4"}
 fi
 # PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
 # self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered

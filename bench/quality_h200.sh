@@ -44,7 +44,7 @@ GEN=${GEN:-$WORK/gen/smollm2.jsonl}   # the set PART=gen writes (tops up) and PA
 TEMP=${TEMP:-0.6}                     # temperature (0 = greedy); set_NAME sizes read $WORK/gen/NAME.jsonl whole
 GEN_SETS=${GEN_SETS:-smollm2}         # the sets PART=pack / unpack move: $WORK/gen/NAME.jsonl and its side files
 OPENERS=${OPENERS-data/default/openers.jsonl}    # OPENERS= : the model writes every prompt free
-# name:data-size:extra flags (the curve at one recipe; then at the largest size the D-PACE lever and the two FP8
+# name:data-size:extra flags, comma-separated (the curve at one recipe; then at the largest size the D-PACE lever and the two FP8
 # switches, whose tau cost is measured at equal data and steps)
 RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: dpace:all:--LOSS_WEIGHTING=dpace tfp8:all:--TARGET_FP8=1 dfp8:all:--DRAFTER_FP8=1"}
 [ "$SMOKE" = 1 ] && RUNS=${SMOKE_RUNS:-"c8:8: call:all: dpace:all:--LOSS_WEIGHTING=dpace"}
@@ -139,6 +139,7 @@ part_train() {
     local pids=() name size extra
     for run in $RUNS; do
         IFS=: read -r name size extra <<< "$run"
+        extra=${extra//,/ }        # several flags: --A=1,--B=2
         mkdir -p "$WORK/runs/$name"
         local data=$WORK/prep_$size; [ "$size" = ship ] && data=data/default/smollm2
         # one process per run (target forward on its feeder thread, drafter on the main thread), all on the one GPU
