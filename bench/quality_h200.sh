@@ -84,6 +84,8 @@ part_gen() {
     cp "$GEN.stats.json" "$OUT/gen_stats_$(basename "$GEN" .jsonl).json" 2>/dev/null || true
 }
 
+# " NAME:rows" of every set in GEN_SETS that is under $WORK/gen
+set_rows() { local s; for s in $GEN_SETS; do [ -f "$WORK/gen/$s.jsonl" ] && echo -n " $s:$(wc -l < "$WORK/gen/$s.jsonl")"; done; true; }
 GEN_FILES=(); for s in $GEN_SETS; do GEN_FILES+=(gen/$s.jsonl gen/$s.jsonl.rejected.jsonl gen/$s.jsonl.stats.json); done
 # xz, or Python's lzma (the same format, one thread) where the machine has no xz
 xz_c() { if command -v xz > /dev/null; then xz -T"${PACK_THREADS:-4}" -6; else $PY -c "import lzma, shutil, sys
@@ -97,7 +99,7 @@ part_pack() {
     rm -rf "$WORK/home" && mkdir -p "$WORK/home"
     tar -C "$WORK" -cf - "${files[@]}" | xz_c | \
         split -b "${PIECE_BYTES:-15000000}" -d -a 2 - "$WORK/home/gen.tar.xz.part-"
-    { echo "rows$(for s in $GEN_SETS; do [ -f "$WORK/gen/$s.jsonl" ] && echo -n " $s:$(wc -l < "$WORK/gen/$s.jsonl")"; done)"
+    { echo "rows$(set_rows)"
       echo "files ${files[*]}"
       (cd "$WORK/home" && cat gen.tar.xz.part-* | sha256sum | sed 's/-$/gen.tar.xz/'; ls gen.tar.xz.part-* | sed 's/^/piece /')
     } > "$WORK/home/MANIFEST"
@@ -115,8 +117,7 @@ part_unpack() {
     got=$(cd "$WORK/home_in" && cat gen.tar.xz.part-* | sha256sum | cut -d" " -f1)
     [ "$want" = "$got" ] || { say "unpack: sha256 $got != MANIFEST's $want: carry the pieces again"; return 1; }
     (cd "$WORK/home_in" && cat gen.tar.xz.part-*) | xz_d | tar -C "$WORK" -xf -
-    say "unpack: $(for s in $GEN_SETS; do [ -f "$WORK/gen/$s.jsonl" ] && echo -n "$s $(wc -l < "$WORK/gen/$s.jsonl") rows, "
-        done)($(grep '^rows' "$WORK/home_in/MANIFEST")); PART=gen resumes from them"
+    say "unpack: rows$(set_rows) (MANIFEST: $(grep '^rows' "$WORK/home_in/MANIFEST")); PART=gen resumes from them"
 }
 
 part_prep() {
