@@ -211,6 +211,12 @@ def part_drafter(res, c, args):
 STATUS = re.compile(r"step=(\d+)/\d+ .*\(([\d.]+)(K?)tok/s\)")
 
 
+def trainer_flags(args) -> list:
+    """--trainer-args' flags: each value may hold several, space-separated (--trainer-args="--A=1 --B=2", the one
+    form argparse takes for values that start with --)."""
+    return [f for a in args.trainer_args for f in a.split()]
+
+
 def part_trainer(res, c, args, timeout):
     a = bench_args()
     assets = Path(args.assets).resolve()
@@ -221,7 +227,7 @@ def part_trainer(res, c, args, timeout):
            f"--MASK_TOKEN_ID={c.mask_id}", "--NUM_DRAFT_LAYERS=5", "--BLOCK_SIZE=16", "--MAX_ANCHORS=2048",
            "--TOKEN_BUDGET=12288", f"--MAX_STEPS={args.trainer_steps}", "--EPOCHS=100", "--LOG_EVERY=5",
            "--SAVE_EVERY=1000000", "--KEEP_LAST=1", "--COMPILE_TARGET=1", "--COMPILE_DRAFTER=layers",
-           "--OUT_DIR=runs/fp8_h200_trainer", "--RESUME=scratch", *args.trainer_args]
+           "--OUT_DIR=runs/fp8_h200_trainer", "--RESUME=scratch", *trainer_flags(args)]
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
     t0 = time.time()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -233,7 +239,7 @@ def part_trainer(res, c, args, timeout):
                            f"\n{r.stderr[-1500:]}")
     peak = [l for l in r.stdout.splitlines() if "peak GPU memory" in l]
     emit(res, "trainer one process", f"train_dflash.py, COMPILE_TARGET + COMPILE_DRAFTER=layers "
-         f"{' '.join(args.trainer_args)}, 2048 blocks per 4 x 3072: {min(steady) / 1e3:.1f}-{max(steady) / 1e3:.1f}K "
+         f"{' '.join(trainer_flags(args))}, 2048 blocks per 4 x 3072: {min(steady) / 1e3:.1f}-{max(steady) / 1e3:.1f}K "
          f"tok/s in the status lines of steps 15-{args.trainer_steps} ({time.time() - t0:.0f} s in all); "
          + (peak[-1].split("] ", 1)[1] if peak else "no peak memory line"), tok_s=steady)
 
@@ -258,8 +264,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=290.0, help="skip a part that cannot finish inside this")
     ap.add_argument("--steps", type=int, default=5, help="timed forwards / drafter steps per variant")
     ap.add_argument("--trainer-steps", type=int, default=30, help="optimizer steps of the trainer run")
-    ap.add_argument("--trainer-args", nargs="*", default=[], help="more --NAME=VALUE for the trainer, e.g. "
-                                                                  "--TARGET_FP8=1 --DRAFTER_FP8=1")
+    ap.add_argument("--trainer-args", nargs="*", default=[], help="more --NAME=VALUE for the trainer, written "
+                    "with '=' and space-separated: --trainer-args='--TARGET_FP8=1 --DRAFTER_FP8=1'")
     ap.add_argument("--assets", default="runs/fp8_h200_assets", help="random target + data for the trainer part")
     ap.add_argument("--target", default="", help="a real HF folder for the target part instead of the random one")
     ap.add_argument("--json", default=None)

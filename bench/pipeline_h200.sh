@@ -72,20 +72,22 @@ fi
 
 # --- the job (run from the snapshot) ---------------------------------------------------------------------------
 # PLAN=curve (the default): the data curve and the openers at the default recipe. PLAN=greedy (below): greedy
-# against T=0.6 answers, then the levers at equal steps (run 2026-12-02). PLAN=levers, for a lease that carried
-# those sets back (PART=unpack): the greedy set topped up, then each run to the end of its own schedule, so the
-# denser anchors meet the base density at about equal GPU time (each run's steps/s sharing the GPU, in its
-# metrics, is its cost). The FP8 bench gets what is left.
+# against T=0.6 answers, then the levers at equal steps (run 2026-12-02). PLAN=levers: the greedy set (written
+# afresh from the same seed, or topped up where PART=unpack carried it back), then each run to the end of its own
+# schedule: the densest anchors yet, a lower LR, twice the steps, and the base density given the GPU time that the
+# 2,048-anchor run takes beside it (its 1,500 steps took 1.22x the base run's wall time sharing the GPU on
+# 2026-12-02, so base gets 1,850 steps). Then the one-process trainer at Qwen3-8B shapes (FP8_RUNS).
 PLAN=${PLAN:-curve}
 if [ "$PLAN" = levers ]; then
-    # (carry back the greedy and T=0.6 sets of 2026-12-02 first: PART=unpack with GEN_SETS="greedy smollm2")
     STAGES=${STAGES:-gen prep train eval fp8}
-    export GENS=${GENS:-"greedy:0"} GEN_SETS=${GEN_SETS:-"greedy smollm2"} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-0}
-    # every run to the end of its own schedule; a2k (2.38 at 1,500 steps) against base at ~1.85x its steps (its GPU
-    # time under contention), longer schedules, a denser and a lower-LR variant
-    [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-100000} STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-500} \
-        GEN_SECONDS=${GEN_SECONDS:-300}
-    export RUNS=${RUNS:-"a2k:set_greedy:--MAX_ANCHORS=2048 base2800:set_greedy:--MAX_STEPS=2800 a2k3000:set_greedy:--MAX_ANCHORS=2048,--MAX_STEPS=3000 a4k:set_greedy:--MAX_ANCHORS=4096 a2klr3:set_greedy:--MAX_ANCHORS=2048,--LR=3e-4"}
+    export SAMPLER=${SAMPLER:-compiled}
+    export GENS=${GENS:-"greedy:0"} GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-0}
+    [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-50000} STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-500} \
+        GEN_SECONDS=${GEN_SECONDS:-330} COUNT_OPS=${COUNT_OPS:-0} FP8_SECONDS=${FP8_SECONDS:-300}
+    export RUNS=${RUNS:-"a2k:set_greedy:--MAX_ANCHORS=2048 base1850:set_greedy:--MAX_STEPS=1850 a4k:set_greedy:--MAX_ANCHORS=4096 a2klr3:set_greedy:--MAX_ANCHORS=2048,--LR=3e-4 a2k3k:set_greedy:--MAX_ANCHORS=2048,--MAX_STEPS=3000 a4k3k:set_greedy:--MAX_ANCHORS=4096,--MAX_STEPS=3000"}
+    # the one-process trainer at 2,048 blocks per 4 x 3072 (issue 18's >= 17K / >= 20K goals): compiled bf16 target,
+    # then TARGET_FP8 (NAME:trainer flags, comma-separated)
+    export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
 # PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
 # self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered
@@ -178,11 +180,19 @@ cd - > /dev/null
 fi
 if want fp8; then
 stage fp8
-FP8_SECONDS=$(( $(left) < FP8_SECONDS ? $(left) : FP8_SECONDS ))
-# the budget bounds each part from inside; timeout bounds a part stuck in a C call
-[ "${SMOKE:-0}" = 1 ] || [ "$FP8_SECONDS" -lt 60 ] || timeout -s KILL $(( FP8_SECONDS + 30 )) $PY -m bench.fp8_h200 \
-    --budget-s "$FP8_SECONDS" --json "$OUT/fp8.json" > "$OUT/fp8.txt" 2>&1
-grep -v "Loading" "$OUT/fp8.txt" 2>/dev/null | tail -25
+# FP8_RUNS: one bench.fp8_h200 call each (NAME:--trainer flags, comma-separated), FP8_PARTS its parts; the budget
+# bounds each part from inside, timeout a part stuck in a C call
+for fr in ${FP8_RUNS:-all:}; do
+    IFS=: read -r fname fflags <<< "$fr"
+    FP8_SECONDS=$(( $(left) < FP8_SECONDS ? $(left) : FP8_SECONDS ))
+    [ "${SMOKE:-0}" = 1 ] || [ "$FP8_SECONDS" -lt 60 ] && { say "fp8 $fname: skipped (SMOKE=1, or under 60 s: $FP8_SECONDS s)"; continue; }
+    fargs=(); [ -n "$fflags" ] && fargs=("--trainer-args=${fflags//,/ }")
+    say "fp8 $fname: parts ${FP8_PARTS:-all} ${fargs[*]}, $FP8_SECONDS s at most"
+    timeout -s KILL $(( FP8_SECONDS + 30 )) $PY -m bench.fp8_h200 ${FP8_PARTS:+--parts "$FP8_PARTS"} \
+        --budget-s "$FP8_SECONDS" --json "$OUT/fp8_$fname.json" "${fargs[@]}" > "$OUT/fp8_$fname.txt" 2>&1
+    cp runs/fp8_h200_trainer.log "$OUT/fp8_trainer_$fname.log" 2>/dev/null || true
+    grep -v "Loading" "$OUT/fp8_$fname.txt" 2>/dev/null | tail -12
+done
 fi
 stage done
 say "pipeline done"
