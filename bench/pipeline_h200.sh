@@ -89,6 +89,19 @@ if [ "$PLAN" = levers ]; then
     # then TARGET_FP8 (NAME:trainer flags, comma-separated)
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
+# PLAN=equaltime, for a lease that carried the greedy set back (PART=unpack, GEN_SETS=greedy): the anchor density
+# at equal GPU time, the question PLAN=levers left open. The runs one after another, each with the GPU to itself for
+# ALONE_SECONDS of training at its own probed rate (bench/quality_h200.sh TRAIN_MODE=alone); then the one-process
+# trainer at Qwen3-8B shapes in bf16 and TARGET_FP8 (issue 18), with FP8_RESERVE kept for it.
+if [ "$PLAN" = equaltime ]; then
+    STAGES=${STAGES:-prep train eval fp8}
+    export GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-0} TRAIN_MODE=alone \
+        COUNT_OPS=${COUNT_OPS:-0} DECODE=${DECODE:-0}
+    [ "${SMOKE:-0}" = 1 ] || export ALONE_SECONDS=${ALONE_SECONDS:-220} EVAL_RESERVE=${EVAL_RESERVE:-120} \
+        FP8_RESERVE=${FP8_RESERVE:-560} FP8_SECONDS=${FP8_SECONDS:-270}
+    export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
+    export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
+fi
 # PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
 # self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered
 # greedily (what greedy verification accepts, the eval's decoding) against 50K at T=0.6 (the sets so far), equal

@@ -11,7 +11,8 @@
 #   PART=unpack  copy the carried pieces of .data/gen to $WORK/home_in (one call may carry some, the next the rest);
 #                once all the MANIFEST names are there, check the sha256 and extract them under $WORK/gen
 #   PART=prep    data.prepare of the first 1K / 10K / 30K / all rows (the curve's data sizes)
-#   PART=train   the curve's drafters (RUNS, one process each, sharing the GPU), bounded by TRAIN_SECONDS
+#   PART=train   the curve's drafters (RUNS, one process each, sharing the GPU), bounded by TRAIN_SECONDS; with
+#                TRAIN_MODE=alone one after another, each ALONE_SECONDS with the GPU to itself (equal GPU time)
 #                (SIGTERM saves a checkpoint; rerun the part to go on: RESUME=auto)
 #   PART=eval    tau of every run's last checkpoint on the held-out prompts (walk: exact tau from one teacher-forced
 #                pass, fp32), then the decode loop on the best one (tau cross-check, losslessness, tokens/s)
@@ -34,11 +35,13 @@ mkdir -p "$WORK" "$OUT"
 if [ "$SMOKE" = 1 ]; then
     NUM=${NUM:-24}; SLOTS=${SLOTS:-8}; NEW=${NEW:-24}; PTOK=${PTOK:-32}; SIZES=${SIZES:-8 16 all free8}
     STEPS=${STEPS:-4}; BUDGET=${BUDGET:-512}; ANCHORS=${ANCHORS:-16}; LAYERS=${LAYERS:-1}; EVAL_LIMIT=${EVAL_LIMIT:-3}
-    EVAL_NEW=${EVAL_NEW:-16}; DEV=cpu; DT=float32
+    EVAL_NEW=${EVAL_NEW:-16}; DEV=cpu; DT=float32; LOG_EVERY=${LOG_EVERY:-1}; PROBE_STEPS=${PROBE_STEPS:-4}
+    ALONE_SECONDS=${ALONE_SECONDS:-10}
 else
     NUM=${NUM:-100000}; SLOTS=${SLOTS:-1024}; NEW=${NEW:-384}; PTOK=${PTOK:-128}; SIZES=${SIZES:-1000 10000 30000 all free30000}
     STEPS=${STEPS:-1500}; BUDGET=${BUDGET:-8192}; ANCHORS=${ANCHORS:-512}; LAYERS=${LAYERS:-5}; EVAL_LIMIT=${EVAL_LIMIT:-0}
-    EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16
+    EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16; LOG_EVERY=${LOG_EVERY:-50}; PROBE_STEPS=${PROBE_STEPS:-200}
+    ALONE_SECONDS=${ALONE_SECONDS:-240}
 fi
 GEN=${GEN:-$WORK/gen/smollm2.jsonl}   # the set PART=gen writes (tops up) and PART=prep's sizes cut; TEMP its answers
 TEMP=${TEMP:-0.6}                     # temperature (0 = greedy); set_NAME sizes read $WORK/gen/NAME.jsonl whole
@@ -136,27 +139,71 @@ part_prep() {
     done
 }
 
-part_train() {
-    local pids=() name size extra
-    for run in $RUNS; do
-        IFS=: read -r name size extra <<< "$run"
-        extra=${extra//,/ }        # several flags: --A=1,--B=2
-        mkdir -p "$WORK/runs/$name"
-        local data=$WORK/prep_$size; [ "$size" = ship ] && data=data/default/smollm2
-        # one process per run (target forward on its feeder thread, drafter on the main thread), all on the one GPU
-        timeout -s TERM "${TRAIN_SECONDS:-100000}" $PY train_dflash.py --TARGET="$SMOL" --DATA="$data" \
-            --OUT_DIR="$WORK/runs/$name" --DEVICE="$DEV" --TOKEN_BUDGET="$BUDGET" --MAX_BATCH_SIZE=64 \
-            --MAX_ANCHORS="$ANCHORS" --BLOCK_SIZE=16 --NUM_DRAFT_LAYERS="$LAYERS" --MAX_STEPS="$STEPS" \
-            --LR=6e-4 --SAVE_EVERY=${SAVE_EVERY:-$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))} --KEEP_LAST=5 --LOG_EVERY=50 $extra \
-            >> "$WORK/runs/$name/train.log" 2>&1 &
-        pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait "$p" || true; done
+# one run in the foreground, SIGTERM after SECONDS (it saves a checkpoint and stops; RESUME=auto goes on):
+# train_one SECONDS DATA OUT_DIR [more --NAME=VALUE, later ones win]
+train_one() {
+    local secs=$1 data=$2 out=$3; shift 3
+    mkdir -p "$out"
+    # one process per run (target forward on its feeder thread, drafter on the main thread)
+    timeout -s TERM "$secs" $PY train_dflash.py --TARGET="$SMOL" --DATA="$data" \
+        --OUT_DIR="$out" --DEVICE="$DEV" --TOKEN_BUDGET="$BUDGET" --MAX_BATCH_SIZE=64 \
+        --MAX_ANCHORS="$ANCHORS" --BLOCK_SIZE=16 --NUM_DRAFT_LAYERS="$LAYERS" --MAX_STEPS="$STEPS" \
+        --LR=6e-4 --SAVE_EVERY=${SAVE_EVERY:-$(( STEPS / 3 > 0 ? STEPS / 3 : 1 ))} --KEEP_LAST=5 --LOG_EVERY="$LOG_EVERY" "$@" \
+        >> "$out/train.log" 2>&1
+}
+
+run_data() { if [ "$1" = ship ]; then echo data/default/smollm2; else echo "$WORK/prep_$1"; fi; }
+
+report_runs() {
+    local name size extra
     for run in $RUNS; do
         IFS=: read -r name size extra <<< "$run"
         echo "== $name ($size rows $extra)"; grep -a "step=\|done\|error\|Error" "$WORK/runs/$name/train.log" | tail -3
         cp "$WORK/runs/$name/metrics.jsonl" "$OUT/metrics_$name.jsonl" 2>/dev/null || true
     done
+}
+
+part_train() {
+    [ "${TRAIN_MODE:-together}" = alone ] && { train_alone; return; }
+    local pids=() name size extra
+    for run in $RUNS; do
+        IFS=: read -r name size extra <<< "$run"
+        extra=${extra//,/ }        # several flags: --A=1,--B=2
+        # all runs at once, sharing the one GPU
+        train_one "${TRAIN_SECONDS:-100000}" "$(run_data "$size")" "$WORK/runs/$name" $extra &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || true; done
+    report_runs
+}
+
+# TRAIN_MODE=alone: equal GPU time. The runs one after another, each with the GPU to itself for ALONE_SECONDS of
+# training (loading not counted): a throwaway probe of PROBE_STEPS measures the run's own steps/s alone (from its
+# first logged step to its last, so start-up and compilation are left out), and the run gets MAX_STEPS = that rate
+# x ALONE_SECONDS, its cosine schedule ending there. A run's --MAX_STEPS in RUNS is replaced.
+train_alone() {
+    local name size extra rate n t0; t0=$(date +%s)
+    for run in $RUNS; do
+        IFS=: read -r name size extra <<< "$run"
+        extra=${extra//,/ }
+        local flags=(); for f in $extra; do [[ "$f" == --MAX_STEPS=* ]] || flags+=("$f"); done
+        local left=$(( ${TRAIN_SECONDS:-100000} - ($(date +%s) - t0) ))
+        [ "$left" -gt $(( ALONE_SECONDS / 2 )) ] || { say "alone: $name: $left s of TRAIN_SECONDS left: not started"; continue; }
+        rm -rf "$WORK/probe/$name"
+        train_one "$left" "$(run_data "$size")" "$WORK/probe/$name" "${flags[@]}" --MAX_STEPS="$PROBE_STEPS" --LOG_EVERY=$(( PROBE_STEPS / 4 > 0 ? PROBE_STEPS / 4 : 1 )) \
+            --SAVE_EVERY=1000000 --KEEP_LAST=1 || true
+        rate=$($PY -c "import json, sys
+m = [json.loads(l) for l in open(sys.argv[1])]
+print(f'{(m[-1][\"step\"] - m[0][\"step\"]) / (m[-1][\"elapsed_s\"] - m[0][\"elapsed_s\"]):.3f}' if len(m) > 1 else '')" \
+            "$WORK/probe/$name/metrics.jsonl" 2>/dev/null || true)
+        [ -n "$rate" ] || { say "alone: $name's probe logged fewer than 2 lines ($WORK/probe/$name/train.log): left out"; continue; }
+        n=$($PY -c "print(max(1, round($rate * $ALONE_SECONDS)))")
+        say "alone: $name trains at $rate steps/s alone: MAX_STEPS=$n for ${ALONE_SECONDS} s"
+        echo "$name $rate $n" >> "$OUT/alone_rates.txt"
+        left=$(( ${TRAIN_SECONDS:-100000} - ($(date +%s) - t0) ))
+        train_one "$left" "$(run_data "$size")" "$WORK/runs/$name" "${flags[@]}" --MAX_STEPS="$n" --SAVE_EVERY="$n" || true
+    done
+    report_runs
 }
 
 # (|| true: a run with no checkpoint yet, e.g. one that failed to start, is left out, not the end of the part)
