@@ -97,7 +97,7 @@ if [ "$PLAN" = equaltime ]; then
     STAGES=${STAGES:-prep train eval fp8}
     export GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-0} TRAIN_MODE=alone \
         COUNT_OPS=${COUNT_OPS:-0} DECODE=${DECODE:-0}
-    [ "${SMOKE:-0}" = 1 ] || export ALONE_SECONDS=${ALONE_SECONDS:-220} EVAL_RESERVE=${EVAL_RESERVE:-120} \
+    [ "${SMOKE:-0}" = 1 ] || export ALONE_SECONDS=${ALONE_SECONDS:-200} EVAL_RESERVE=${EVAL_RESERVE:-120} \
         FP8_RESERVE=${FP8_RESERVE:-560} FP8_SECONDS=${FP8_SECONDS:-270}
     export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}

@@ -40,7 +40,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     NUM=${NUM:-100000}; SLOTS=${SLOTS:-1024}; NEW=${NEW:-384}; PTOK=${PTOK:-128}; SIZES=${SIZES:-1000 10000 30000 all free30000}
     STEPS=${STEPS:-1500}; BUDGET=${BUDGET:-8192}; ANCHORS=${ANCHORS:-512}; LAYERS=${LAYERS:-5}; EVAL_LIMIT=${EVAL_LIMIT:-0}
-    EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16; LOG_EVERY=${LOG_EVERY:-50}; PROBE_STEPS=${PROBE_STEPS:-200}
+    EVAL_NEW=${EVAL_NEW:-128}; DEV=cuda; DT=bfloat16; LOG_EVERY=${LOG_EVERY:-50}; PROBE_STEPS=${PROBE_STEPS:-150}
     ALONE_SECONDS=${ALONE_SECONDS:-240}
 fi
 GEN=${GEN:-$WORK/gen/smollm2.jsonl}   # the set PART=gen writes (tops up) and PART=prep's sizes cut; TEMP its answers
