@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,8 +50,11 @@ def emit(res, key, line, **values):
     res[key] = {"line": line, **values}
 
 
+SHAPE = ["qwen3-8b"]   # --shape (tiny: a CPU rehearsal of the parts' plumbing, no figure)
+
+
 def bench_args(extra=()):
-    return bd.parse_args(["--shape", "qwen3-8b", "--anchors", "2048", "--steps", "5", "--warmup", "3", *extra])
+    return bd.parse_args(["--shape", SHAPE[0], "--anchors", "2048", "--steps", "5", "--warmup", "3", *extra])
 
 
 # --- limits -----------------------------------------------------------------------------------------------------------
@@ -229,6 +233,8 @@ def part_trainer(res, c, args, timeout):
            "--SAVE_EVERY=1000000", "--KEEP_LAST=1", "--COMPILE_TARGET=1", "--COMPILE_DRAFTER=layers",
            "--OUT_DIR=runs/fp8_h200_trainer", "--RESUME=scratch", *trainer_flags(args)]
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
+    # the bench's own scratch run: the last call's final checkpoint would make RESUME=scratch refuse this one
+    shutil.rmtree(REPO / "runs" / "fp8_h200_trainer", ignore_errors=True)
     t0 = time.time()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     (REPO / "runs" / "fp8_h200_trainer.log").write_text(r.stdout + "\n--- stderr\n" + r.stderr)
@@ -238,8 +244,12 @@ def part_trainer(res, c, args, timeout):
         raise RuntimeError(f"trainer exit {r.returncode}, {len(rates)} status lines; last output:\n{r.stdout[-1500:]}"
                            f"\n{r.stderr[-1500:]}")
     peak = [l for l in r.stdout.splitlines() if "peak GPU memory" in l]
+    # the run's own settings (a later --NAME=VALUE wins, as in the trainer), so --trainer-args can change them
+    anchors, budget = (int([f for f in cmd if f.startswith(f"--{k}=")][-1].split("=", 1)[1])
+                       for k in ("MAX_ANCHORS", "TOKEN_BUDGET"))
     emit(res, "trainer one process", f"train_dflash.py, COMPILE_TARGET + COMPILE_DRAFTER=layers "
-         f"{' '.join(trainer_flags(args))}, 2048 blocks per 4 x 3072: {min(steady) / 1e3:.1f}-{max(steady) / 1e3:.1f}K "
+         f"{' '.join(trainer_flags(args))}, {anchors} blocks per {budget} tokens "
+         f"({bd.work_density(anchors, 1, budget).split(' = ')[0]}): {min(steady) / 1e3:.1f}-{max(steady) / 1e3:.1f}K "
          f"tok/s in the status lines of steps 15-{args.trainer_steps} ({time.time() - t0:.0f} s in all); "
          + (peak[-1].split("] ", 1)[1] if peak else "no peak memory line"), tok_s=steady)
 
@@ -268,8 +278,11 @@ def main(argv=None):
                     "with '=' and space-separated: --trainer-args='--TARGET_FP8=1 --DRAFTER_FP8=1'")
     ap.add_argument("--assets", default="runs/fp8_h200_assets", help="random target + data for the trainer part")
     ap.add_argument("--target", default="", help="a real HF folder for the target part instead of the random one")
+    ap.add_argument("--shape", choices=list(bd.SHAPES), default="qwen3-8b",
+                    help="the random target's shape; tiny rehearses the parts on a CPU (their figures mean nothing)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    SHAPE[0] = args.shape
     t_start = time.time()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     saved = {k: getattr(td, k) for k in td.CONFIG_KEYS}
