@@ -50,11 +50,9 @@ def emit(res, key, line, **values):
     res[key] = {"line": line, **values}
 
 
-SHAPE = ["qwen3-8b"]   # --shape (tiny: a CPU rehearsal of the parts' plumbing, no figure)
-
-
-def bench_args(extra=()):
-    return bd.parse_args(["--shape", SHAPE[0], "--anchors", "2048", "--steps", "5", "--warmup", "3", *extra])
+def bench_args(args, extra=()):
+    """bench_dflash's settings at this bench's shape (--shape; tiny rehearses the parts on a CPU, no figure)."""
+    return bd.parse_args(["--shape", args.shape, "--anchors", "2048", "--steps", "5", "--warmup", "3", *extra])
 
 
 # --- limits -----------------------------------------------------------------------------------------------------------
@@ -200,7 +198,7 @@ def part_target(res, c, args):
 
 def part_drafter(res, c, args):
     for name, extra in (("bf16", []), ("DRAFTER_FP8", ["--drafter-fp8"])):
-        a = bench_args(["--compile-drafter", "layers", "--steps", str(args.steps), *extra])
+        a = bench_args(args, ["--compile-drafter", "layers", "--steps", str(args.steps), *extra])
         d = bd.bench_drafter(a, c)
         emit(res, f"drafter {name}", f"2048 blocks per 4 x 3072 ({bd.work_density(2048, 4, 3072)}): "
              f"{d['ms_per_step']:.1f} ms per step, {d['tok_s'] / 1e3:.1f}K ctx tok/s, {d['tflops']:.0f} TFLOP/s "
@@ -222,7 +220,7 @@ def trainer_flags(args) -> list:
 
 
 def part_trainer(res, c, args, timeout):
-    a = bench_args()
+    a = bench_args(args)
     assets = Path(args.assets).resolve()
     if not (assets / "target" / "config.json").exists():
         bd.write_assets(a, c, assets, rows=4 * (args.trainer_steps + 16))
@@ -282,11 +280,10 @@ def main(argv=None):
                     help="the random target's shape; tiny rehearses the parts on a CPU (their figures mean nothing)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    SHAPE[0] = args.shape
     t_start = time.time()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     saved = {k: getattr(td, k) for k in td.CONFIG_KEYS}
-    c = bd.Context(bench_args())   # sets the trainer's constants to the bench shape (put back at the end)
+    c = bd.Context(bench_args(args))   # sets the trainer's constants to the bench shape (put back at the end)
     res = {"env": bd.environment(c)}
     e = res["env"]
     print(f"fp8_h200: {e['device']}, torch {e['torch']}, git {e['git']}, {e['date']}", flush=True)

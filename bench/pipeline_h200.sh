@@ -76,7 +76,8 @@ fi
 # afresh from the same seed, or topped up where PART=unpack carried it back), then each run to the end of its own
 # schedule: the densest anchors yet, a lower LR, twice the steps, and the base density given the GPU time that the
 # 2,048-anchor run takes beside it (its 1,500 steps took 1.22x the base run's wall time sharing the GPU on
-# 2026-12-02, so base gets 1,850 steps). Then the one-process trainer at Qwen3-8B shapes (FP8_RUNS).
+# 2026-12-02, so base gets 1,850 steps; in this plan's heavier mix it took 1.89x, so the match failed: PLAN=equaltime
+# measures it alone). Then the one-process trainer at Qwen3-8B shapes (FP8_RUNS).
 PLAN=${PLAN:-curve}
 if [ "$PLAN" = levers ]; then
     STAGES=${STAGES:-gen prep train eval fp8}
