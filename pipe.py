@@ -178,7 +178,7 @@ def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=Non
     threading.Thread(target=prefetch, daemon=True, name="prefetch").start()
     done = False                                                          # this rank's g's are all made
     for k in itertools.count():
-        item = None if done else q_pre.get()
+        item = None if done else wake_get(q_pre)
         if isinstance(item, BaseException):
             raise RuntimeError(f"prefetch thread: {type(item).__name__}: {item}") from item
         stop_g = stop() if stop is not None else None
@@ -205,6 +205,22 @@ def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=Non
         if clock:
             clock.stop(t0, int(lens.sum()))
         yield Packet(g, lens, ids[keep], mask[keep], feats)
+
+
+WAKE_S = 0.2   # the longest wake_get() sleeps before the main thread's signal handlers get their turn
+
+
+def wake_get(q: queue.Queue):
+    """q.get() in waits of WAKE_S. Python runs signal handlers on the main thread, between bytecodes: a signal the
+    kernel hands to another thread (e.g. one stuck in a target forward) while the main thread sleeps in an untimed
+    q.get() has its handler wait for the queue's next item, which may never come (CPython 3.11, tried: SIGTERM sent
+    to a sleeping thread, the main thread in q.get(), the handler ran only once another signal reached the main
+    thread). Each timed wait's return lets the handler run."""
+    while True:
+        try:
+            return q.get(timeout=WAKE_S)
+        except queue.Empty:
+            pass
 
 
 class Prefetcher(threading.Thread):
@@ -250,7 +266,7 @@ class Prefetcher(threading.Thread):
         return False
 
     def get(self):
-        item, done = self.q.get()
+        item, done = wake_get(self.q)
         if isinstance(item, BaseException):
             raise RuntimeError(f"{self.name} thread: {type(item).__name__}: {item}") from item
         return handoff(item, done, self.device)

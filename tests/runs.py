@@ -116,23 +116,36 @@ def losses(out) -> dict[int, float]:
 
 
 def wait_for(proc, pattern, timeout, lines) -> bool:
-    """Read proc's output into `lines` until a line contains `pattern` (True) or timeout/exit (False)."""
+    """Read proc's output into `lines` until a line contains `pattern` (True) or timeout/exit (False).
+
+    Reads the pipe's file descriptor itself: select() on it followed by the text wrapper's readline() lost lines (a
+    readline can pull several lines into the wrapper's buffer; the fd then looks empty and select() waits on
+    output that already came, until more arrives). What was read past the matching line waits in proc._partial for
+    the next call, or for finish(). Line ends as in text mode: \\r\\n and \\r end a line too (progress bars)."""
     import selectors
+    fd = proc.stdout.fileno()
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     end = time.time() + timeout
-    while time.time() < end:
-        if not sel.select(timeout=0.5):
-            if proc.poll() is not None:
+    try:
+        while True:
+            while b"\n" in getattr(proc, "_partial", b""):        # whole lines already read come first
+                raw, proc._partial = proc._partial.split(b"\n", 1)
+                lines.append(raw.decode(errors="replace") + "\n")
+                if pattern in lines[-1]:
+                    return True
+            if time.time() >= end:
                 return False
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            return False
-        lines.append(line)
-        if pattern in line:
-            return True
-    return False
+            if not sel.select(timeout=min(0.5, max(0.0, end - time.time()))):
+                if proc.poll() is not None and not sel.select(timeout=0):
+                    return False
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return False
+            proc._partial = (getattr(proc, "_partial", b"") + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    finally:
+        sel.close()
 
 
 def rank_pids(lines) -> dict[int, int]:
@@ -148,10 +161,12 @@ def rank_pids(lines) -> dict[int, int]:
 def finish(proc, timeout) -> tuple[int | None, str, float]:
     """Wait for exit; returns (returncode or None if it had to be killed, rest of output, seconds waited)."""
     t = time.time()
+    head = getattr(proc, "_partial", b"").decode(errors="replace")   # what wait_for read past its last line
+    proc._partial = b""
     try:
         out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out, time.time() - t
+        return proc.returncode, head + out, time.time() - t
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        return None, out, time.time() - t
+        return None, head + out, time.time() - t

@@ -1,13 +1,20 @@
 """pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks, the
 one-process mode and the bench), and checkpoint.resume_point, where a resumed run continues."""
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import checkpoint as ckpt
 from pipe import Prefetcher
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Item:
@@ -91,3 +98,22 @@ def test_resume_point_moves_to_the_same_fraction_when_batching_or_data_change():
     assert "dataset changed" in rp.error and "ALLOW_DATA_CHANGE" in rp.error
     rp = ckpt.resume_point(META, data("b", num_batches=5), {**CFG, "ALLOW_DATA_CHANGE": True})   # ... unless allowed
     assert (rp.start_g, rp.planned_g, rp.error) == (3, None, None) and rp.notes[0].startswith("WARNING: dataset")
+
+
+def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread():
+    """The kernel may hand SIGTERM to any thread; Python runs its handler on the main thread. A main thread that
+    waits on an empty queue (a hung target forward feeds nothing) must still run it: pipe.wake_get's timed waits.
+    An untimed q.get() in its place keeps this process waiting past the 20 s timeout (tried on CPython 3.11)."""
+    code = textwrap.dedent("""
+        import os, queue, signal, threading, time
+        import pipe
+        signal.signal(signal.SIGTERM, lambda *a: os._exit(7))
+        sleeper = threading.Thread(target=lambda: time.sleep(3600), daemon=True)
+        sleeper.start()
+        time.sleep(0.2)
+        signal.pthread_kill(sleeper.ident, signal.SIGTERM)
+        pipe.wake_get(queue.Queue())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 7, r.stderr[-2000:]
