@@ -189,19 +189,31 @@ train_alone() {
         local flags=(); for f in $extra; do [[ "$f" == --MAX_STEPS=* ]] || flags+=("$f"); done
         local left=$(( ${TRAIN_SECONDS:-100000} - ($(date +%s) - t0) ))
         [ "$left" -gt $(( ALONE_SECONDS / 2 )) ] || { say "alone: $name: $left s of TRAIN_SECONDS left: not started"; continue; }
-        rm -rf "$WORK/probe/$name"
-        train_one "$left" "$(run_data "$size")" "$WORK/probe/$name" "${flags[@]}" --MAX_STEPS="$PROBE_STEPS" --LOG_EVERY=$(( PROBE_STEPS / 4 > 0 ? PROBE_STEPS / 4 : 1 )) \
-            --SAVE_EVERY=1000000 --KEEP_LAST=1 || true
-        rate=$($PY -c "import json, sys
+        # a rerun (the part restarted after a cut) keeps the MAX_STEPS it probed before: its run resumes on the
+        # schedule it started with instead of a re-planned one
+        read -r rate n < <(awk -v r="$name" '$1 == r {print $2, $3}' "$OUT/alone_rates.txt" 2>/dev/null | tail -1) || true
+        if [ -n "${n:-}" ]; then
+            say "alone: $name: MAX_STEPS=$n as probed before ($rate steps/s, $OUT/alone_rates.txt)"
+        else
+            rm -rf "$WORK/probe/$name"
+            train_one "$left" "$(run_data "$size")" "$WORK/probe/$name" "${flags[@]}" --MAX_STEPS="$PROBE_STEPS" --LOG_EVERY=$(( PROBE_STEPS / 4 > 0 ? PROBE_STEPS / 4 : 1 )) \
+                --SAVE_EVERY=1000000 --KEEP_LAST=1 || true
+            rate=$($PY -c "import json, sys
 m = [json.loads(l) for l in open(sys.argv[1])]
 print(f'{(m[-1][\"step\"] - m[0][\"step\"]) / (m[-1][\"elapsed_s\"] - m[0][\"elapsed_s\"]):.3f}' if len(m) > 1 else '')" \
-            "$WORK/probe/$name/metrics.jsonl" 2>/dev/null || true)
-        [ -n "$rate" ] || { say "alone: $name's probe logged fewer than 2 lines ($WORK/probe/$name/train.log): left out"; continue; }
-        n=$($PY -c "print(max(1, round($rate * $ALONE_SECONDS)))")
-        say "alone: $name trains at $rate steps/s alone: MAX_STEPS=$n for ${ALONE_SECONDS} s"
-        echo "$name $rate $n" >> "$OUT/alone_rates.txt"
+                "$WORK/probe/$name/metrics.jsonl" 2>/dev/null || true)
+            [ -n "$rate" ] || { say "alone: $name's probe logged fewer than 2 lines ($WORK/probe/$name/train.log): left out"; continue; }
+            n=$($PY -c "print(max(1, round($rate * $ALONE_SECONDS)))")
+            say "alone: $name trains at $rate steps/s alone: MAX_STEPS=$n for ${ALONE_SECONDS} s"
+            echo "$name $rate $n" >> "$OUT/alone_rates.txt"
+        fi
+        [ -d "$(printf "%s/checkpoints/step_%06d/drafter" "$WORK/runs/$name" "$n")" ] && \
+            { say "alone: $name: already trained to step $n"; n=; continue; }
         left=$(( ${TRAIN_SECONDS:-100000} - ($(date +%s) - t0) ))
-        train_one "$left" "$(run_data "$size")" "$WORK/runs/$name" "${flags[@]}" --MAX_STEPS="$n" --SAVE_EVERY="$n" || true
+        # checkpoints at each quarter: a run cut by the lease resumes from the last one
+        train_one "$left" "$(run_data "$size")" "$WORK/runs/$name" "${flags[@]}" --MAX_STEPS="$n" \
+            --SAVE_EVERY=$(( n / 4 > 0 ? n / 4 : 1 )) || true
+        n=
     done
     report_runs
 }
