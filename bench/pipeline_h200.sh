@@ -103,6 +103,19 @@ if [ "$PLAN" = equaltime ]; then
     export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
+# PLAN=fresh, for a lease with no set to carry back and no figure yet for issue 18's one-GPU trainer: that first (the
+# one-process trainer at Qwen3-8B shapes, bf16 then TARGET_FP8: it needs no SmolLM2 set), then the greedy set
+# written afresh (same seed as before), then PLAN=equaltime's three densities each alone for an equal share of what
+# is left (ALONE_SECONDS=auto: the train stage's seconds / 3, less ALONE_OVERHEAD for its probe and loading).
+if [ "$PLAN" = fresh ]; then
+    STAGES=${STAGES:-fp8 gen prep train eval}
+    export SAMPLER=${SAMPLER:-compiled} GENS=${GENS:-"greedy:0"} GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} \
+        EQUAL_STEPS=${EQUAL_STEPS:-0} TRAIN_MODE=alone COUNT_OPS=${COUNT_OPS:-0} DECODE=${DECODE:-0}
+    [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-50000} GEN_SECONDS=${GEN_SECONDS:-330} ALONE_SECONDS=${ALONE_SECONDS:-auto} \
+        EVAL_RESERVE=${EVAL_RESERVE:-100} FP8_SECONDS=${FP8_SECONDS:-270}
+    export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
+    export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
+fi
 # PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
 # self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered
 # greedily (what greedy verification accepts, the eval's decoding) against 50K at T=0.6 (the sets so far), equal
@@ -119,7 +132,8 @@ fi
 STAGES=${STAGES:-ab gen prep train eval fp8}
 # GENS: the sets the gen stage writes in turn, NAME:answer temperature ($WORK/gen/NAME.jsonl), each GEN_SECONDS at most
 export GENS=${GENS:-smollm2:0.6} GEN_SETS=${GEN_SETS:-smollm2}
-want() { [[ " $STAGES " == *" $1 "* ]]; }
+# after A B: stage B comes after stage A in STAGES (so A's time must be kept for B)
+after() { local w seen=0; for w in $STAGES; do [ "$w" = "$1" ] && seen=1; [ "$w" = "$2" ] && [ $seen = 1 ] && return 0; done; return 1; }
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-1350}
 # the plan inside DEADLINE: ab ~45 s, gen 780 s (100K conversations at 2026-12-01's 134 conv/s, loading included),
@@ -145,8 +159,8 @@ Q() { PART="$1" bash bench/quality_h200.sh; }
 AB2=(--slots 2048 --prompts 4096 --new 256)
 [ "${SMOKE:-0}" = 1 ] && AB2=(--slots 8 --prompts 8 --new 8 --device cpu)
 
-ATTN=${ATTN:-matmul} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-$( [ "${SMOKE:-0}" = 1 ] && echo 8 || echo 2048 )}
-if want ab; then
+export ATTN=${ATTN:-matmul} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-$( [ "${SMOKE:-0}" = 1 ] && echo 8 || echo 2048 )}
+st_ab() {
 stage ab
 # matmul attention at 2048 slots: the fastest on 2026-12-01 (BENCHMARKS.md section 7); the sampler eager against
 # compiled (never run on a GPU before) decides SAMPLER
@@ -156,11 +170,11 @@ $PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" --sa
 SAMPLER=$(awk '/^engine/ { for (i = 2; i <= NF; i++) if ($i == "tok/s") { r = $(i - 1); gsub(",", "", r)
     if (r + 0 > best) {best = r + 0; sm = $3}}} END {print sm}' "$OUT/engine_ab.txt")
 SAMPLER=${SAMPLER:-eager}
-fi
-export ATTN SAMPLER=${SAMPLER:-eager} SLOTS
-say "engine: attention $ATTN, sampler $SAMPLER, $SLOTS slots"
+export SAMPLER
+say "engine: attention $ATTN, sampler $SAMPLER, $SLOTS slots (the A/B's fastest)"
+}
 
-if want gen; then
+st_gen() {
 stage gen
 tests_pid=
 [ "${SMOKE:-0}" = 1 ] || { ( ONLY=tests bash bench/throughput_h200.sh "$OUT/gpu" > "$OUT/gpu_tests.txt" 2>&1 ) & tests_pid=$!; }
@@ -172,27 +186,35 @@ for g in $GENS; do
 done
 ( Q pack > "$OUT/pack.txt" 2>&1 ) &      # the set goes home with the polls (a later lease carries it back)
 [ -n "$tests_pid" ] && wait $tests_pid && tail -4 "$OUT/gpu_tests.txt"
-fi
+}
 
-if want prep; then
+st_prep() {
 stage prep
 Q prep || say "PART=prep failed (rc $?): see above"
-fi
+}
 
-if want train; then
+st_train() {
 stage train
-export TRAIN_SECONDS=$(( $(left) - EVAL_RESERVE - ${FP8_RESERVE:-0} ))
-Q train || say "PART=train failed (rc $?): see above"
+# what is left, less the later stages' reserves (none for a stage that already ran)
+local reserve=0; after train eval && reserve=$((reserve + EVAL_RESERVE)); after train fp8 && reserve=$((reserve + ${FP8_RESERVE:-0}))
+export TRAIN_SECONDS=$(( $(left) - reserve ))
+if [ "${ALONE_SECONDS:-}" = auto ]; then   # TRAIN_MODE=alone: the train stage's time shared out between RUNS
+    local nruns; nruns=$(wc -w <<< "$RUNS")
+    export ALONE_SECONDS=$(( TRAIN_SECONDS / nruns - ${ALONE_OVERHEAD:-75} ))
+    [ "$ALONE_SECONDS" -ge 5 ] || { say "train: $TRAIN_SECONDS s for $nruns runs leaves no training time: 5 s each"; ALONE_SECONDS=5; }
+    say "train: ALONE_SECONDS=$ALONE_SECONDS each for $nruns runs (TRAIN_SECONDS=$TRAIN_SECONDS, ${ALONE_OVERHEAD:-75} s of probe and loading each)"
 fi
+Q train || say "PART=train failed (rc $?): see above"
+}
 
-if want eval; then
+st_eval() {
 stage eval
 live=$(cat "$JOB/live_tree")
 rm -rf "$WORK/repo_eval" && cp -a "$live" "$WORK/repo_eval" && cd "$WORK/repo_eval"
 EQUAL_STEPS=${EQUAL_STEPS:-1} Q eval || say "PART=eval failed (rc $?): see above"
 cd - > /dev/null
-fi
-if want fp8; then
+}
+st_fp8() {
 stage fp8
 # FP8_RUNS: one bench.fp8_h200 call each (NAME:--trainer flags, comma-separated), FP8_PARTS its parts; the budget
 # bounds each part from inside, timeout a part stuck in a C call
@@ -211,7 +233,14 @@ for fr in ${FP8_RUNS:-all:}; do
     cp runs/fp8_h200_trainer.log "$OUT/fp8_trainer_$fname.log" 2>/dev/null || true
     grep -v "Loading" "$OUT/fp8_$fname.txt" 2>/dev/null | tail -12
 done
-fi
+}
+
+# the stages in STAGES' order
+say "stages: $STAGES; engine: attention $ATTN, sampler $SAMPLER (unless ab picks), $SLOTS slots"
+for st in $STAGES; do
+    declare -F "st_$st" > /dev/null || { say "unknown stage $st (ab gen prep train eval fp8): skipped"; continue; }
+    "st_$st"
+done
 stage done
 say "pipeline done"
 touch "$JOB/done"
