@@ -85,7 +85,7 @@ class Sender(threading.Thread):
         if p.features.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self.q.put((dst, p, ready))
+        wake_put(self.q, (dst, p, ready))   # (the target rank's main thread: a full queue waits in WAKE_S steps)
 
     def run(self):
         try:
@@ -207,7 +207,7 @@ def produce(data, gs, target, device, depth, stop=None, watchdog=None, clock=Non
         yield Packet(g, lens, ids[keep], mask[keep], feats)
 
 
-WAKE_S = 0.2   # the longest wake_get() sleeps before the main thread's signal handlers get their turn
+WAKE_S = 0.2   # the longest wake_get() or wake_put() sleeps before the main thread's signal handlers get their turn
 
 
 def wake_get(q: queue.Queue):
@@ -220,6 +220,15 @@ def wake_get(q: queue.Queue):
         try:
             return q.get(timeout=WAKE_S)
         except queue.Empty:
+            pass
+
+
+def wake_put(q: queue.Queue, item) -> None:
+    """q.put(item), in waits of WAKE_S when the queue is full (wake_get's reason)."""
+    while True:
+        try:
+            return q.put(item, timeout=WAKE_S)
+        except queue.Full:
             pass
 
 

@@ -100,10 +100,13 @@ def test_resume_point_moves_to_the_same_fraction_when_batching_or_data_change():
     assert (rp.start_g, rp.planned_g, rp.error) == (3, None, None) and rp.notes[0].startswith("WARNING: dataset")
 
 
-def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread():
+@pytest.mark.parametrize("wait", ["pipe.wake_get(queue.Queue())",
+                                  "q = queue.Queue(maxsize=1); q.put(0); pipe.wake_put(q, 1)"])
+def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread(wait):
     """The kernel may hand SIGTERM to any thread; Python runs its handler on the main thread. A main thread that
-    waits on an empty queue (a hung target forward feeds nothing) must still run it: pipe.wake_get's timed waits.
-    An untimed q.get() in its place keeps this process waiting past the 20 s timeout (tried on CPython 3.11)."""
+    waits on an empty queue (a hung target forward feeds nothing) or a full one (a send that never drains) must
+    still run it: pipe.wake_get's / wake_put's timed waits. An untimed q.get() in its place keeps this process
+    waiting past the 20 s timeout (tried on CPython 3.11)."""
     code = textwrap.dedent("""
         import os, queue, signal, threading, time
         import pipe
@@ -112,8 +115,7 @@ def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread():
         sleeper.start()
         time.sleep(0.2)
         signal.pthread_kill(sleeper.ident, signal.SIGTERM)
-        pipe.wake_get(queue.Queue())
-    """)
+    """) + wait
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=20)
     assert r.returncode == 7, r.stderr[-2000:]
