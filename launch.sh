@@ -120,18 +120,23 @@ echo "launch: $QUOTED"
 [ "$DRY" = 1 ] && { echo "launch: DRY=1: flags checked, not started"; exit 0; }
 mkdir -p "$OUT_DIR"
 
+FROM=$(( $(wc -l < "$LOG" 2>/dev/null || echo 0) + 1 ))   # this run's first line in the appended log
+OUTCOME=$PWD/tools/job_outcome.sh                         # its last line: how the job ended
 if [ "$FOREGROUND" = 1 ] || ! command -v tmux >/dev/null; then
     [ "$FOREGROUND" = 1 ] || echo "launch: tmux not found, running in the foreground"
     set +e
     "${CMD[@]}" 2>&1 | tee -i -a "$LOG"
-    exit "${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    echo "[launch] job ended: $(bash "$OUTCOME" "$LOG" "$FROM")"
+    exit "$rc"
 fi
 if tmux has-session -t "=$SESSION" 2>/dev/null; then   # its job has ended (checked above): the pane only holds output
     echo "launch: replacing tmux session '$SESSION', whose job had ended (its output is in $LOG)"
     tmux kill-session -t "=$SESSION"
 fi
 # the pane marks its session when the job ends, so the next launch knows the session is free to replace
-tmux new-session -d -s "$SESSION" -x 250 -y 50 "$QUOTED 2>&1 | tee -i -a $(printf '%q' "$LOG"); tmux set-environment -t $(printf '%q' "=$SESSION") DFLASH_JOB ended; echo '[launch] job ended; this pane stays open (Ctrl-d closes it; the next launch.sh replaces it)'; exec bash"
+# and says last how the job ended (tools/job_outcome.sh: this run's part of the appended log)
+tmux new-session -d -s "$SESSION" -x 250 -y 50 "$QUOTED 2>&1 | tee -i -a $(printf '%q' "$LOG"); tmux set-environment -t $(printf '%q' "=$SESSION") DFLASH_JOB ended; echo \"[launch] job ended: \$(bash $(printf '%q' "$OUTCOME") $(printf '%q' "$LOG") $FROM)\"; echo '[launch] this pane stays open (Ctrl-d closes it; the next launch.sh replaces it)'; exec bash"
 cat <<MSG
 launch: started in tmux session '$SESSION'
   status:  tmux capture-pane -p -t $SESSION | tail -5

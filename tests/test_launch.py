@@ -98,7 +98,35 @@ def test_tmux_session_of_an_ended_job_is_replaced(tmp_path, tiny):
         deadline = time.time() + 120
         while not job_ended() and time.time() < deadline:   # the new pane marks its session when the job ends
             time.sleep(0.5)
-        assert job_ended(), tmux("capture-pane", "-p", "-t", f"={session}").stdout
+        assert job_ended(), tmux("capture-pane", "-p", "-t", f"={session}:").stdout
         assert "DRY_RUN: config and data are fine" in (out / "train.log").read_text()
+        ended = "[launch] job ended: DRY_RUN: config and data are fine"   # how it ended, printed right after
+        deadline = time.time() + 10
+        while ended not in (pane := tmux("capture-pane", "-p", "-t", f"={session}:").stdout) and time.time() < deadline:
+            time.sleep(0.2)
+        assert ended in pane, pane
     finally:
         tmux("kill-session", "-t", f"={session}")
+
+
+def test_the_last_line_says_how_the_job_ended(tmp_path, tiny):
+    """tools/job_outcome.sh, which launch.sh prints when a job ends: the first ABORT line of this run's part of the
+    appended log (torchrun's [rankN]: prefix dropped), else its last done / stopped / error / DRY_RUN line; an
+    earlier run's lines do not count. Then a real foreground launch ends with its own line."""
+    log = tmp_path / "train.log"
+    log.write_text("[rank1]:ABORT: rank 0 (target) died (process 7 is gone) -- ending the job\n"     # an earlier run
+                   "x\n[0m] step=2/2 loss=1.0\r\nsaved runs/x/checkpoints/step_000002 (0.1s)\n"
+                   "done: 2 steps; final drafter in runs/x/checkpoints/step_000002/drafter\n")
+    outcome = lambda *a: subprocess.run(["bash", str(REPO / "tools" / "job_outcome.sh"), str(log), *map(str, a)],
+                                        capture_output=True, text=True).stdout.strip()
+    assert outcome() == "ABORT: rank 0 (target) died (process 7 is gone) -- ending the job"
+    assert outcome(2) == "done: 2 steps; final drafter in runs/x/checkpoints/step_000002/drafter"
+    assert outcome(9) == f"no outcome line in {log}: see its last lines"
+    target, data = tiny
+    out = tmp_path / "run"
+    for _ in range(2):   # the second run's line, not the first's, though both are in the log
+        r = launch(f"--TARGET={target}", f"--DATA={data}", f"--OUT_DIR={out}", f"--MASK_TOKEN_ID={MASK_ID}",
+                   "--DRY_RUN=1", FOREGROUND="1", NPROC="1")
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert r.stdout.strip().splitlines()[-1].startswith("[launch] job ended: DRY_RUN: config and data are fine")
+    assert (out / "train.log").read_text().count("DRY_RUN: config and data are fine") == 2
