@@ -120,7 +120,7 @@ echo "launch: $QUOTED"
 [ "$DRY" = 1 ] && { echo "launch: DRY=1: flags checked, not started"; exit 0; }
 mkdir -p "$OUT_DIR"
 
-FROM=$(( $(wc -l < "$LOG" 2>/dev/null || echo 0) + 1 ))   # this run's first line in the appended log
+FROM=$(( $( [ -f "$LOG" ] && wc -l < "$LOG" || echo 0) + 1 ))   # this run's first line in the appended log
 OUTCOME=$PWD/tools/job_outcome.sh                         # its last line: how the job ended
 if [ "$FOREGROUND" = 1 ] || ! command -v tmux >/dev/null; then
     [ "$FOREGROUND" = 1 ] || echo "launch: tmux not found, running in the foreground"

@@ -190,7 +190,7 @@ train_alone() {
         local left=$(( ${TRAIN_SECONDS:-100000} - ($(date +%s) - t0) ))
         [ "$left" -gt $(( ALONE_SECONDS / 2 )) ] || { say "alone: $name: $left s of TRAIN_SECONDS left: not started"; continue; }
         # a rerun (the part restarted after a cut) keeps the MAX_STEPS it probed before: its run resumes on the
-        # schedule it started with instead of a re-planned one
+        # schedule it started with instead of a re-planned one (read empties rate and n when there is none)
         read -r rate n < <(awk -v r="$name" '$1 == r {print $2, $3}' "$OUT/alone_rates.txt" 2>/dev/null | tail -1) || true
         if [ -n "${n:-}" ]; then
             say "alone: $name: MAX_STEPS=$n as probed before ($rate steps/s, $OUT/alone_rates.txt)"
@@ -208,12 +208,11 @@ print(f'{(m[-1][\"step\"] - m[0][\"step\"]) / (m[-1][\"elapsed_s\"] - m[0][\"ela
             echo "$name $rate $n" >> "$OUT/alone_rates.txt"
         fi
         [ -d "$(printf "%s/checkpoints/step_%06d/drafter" "$WORK/runs/$name" "$n")" ] && \
-            { say "alone: $name: already trained to step $n"; n=; continue; }
+            { say "alone: $name: already trained to step $n"; continue; }
         left=$(( ${TRAIN_SECONDS:-100000} - ($(date +%s) - t0) ))
         # checkpoints at each quarter: a run cut by the lease resumes from the last one
         train_one "$left" "$(run_data "$size")" "$WORK/runs/$name" "${flags[@]}" --MAX_STEPS="$n" \
             --SAVE_EVERY=$(( n / 4 > 0 ? n / 4 : 1 )) || true
-        n=
     done
     report_runs
 }
