@@ -3,7 +3,7 @@ into a quick, named exit.
 
 A micro-batch's route: `produce` (q_pre: data.batch on a prefetch thread, then the target forward) -> `Sender` ->
 wire -> `receive` -> `Prefetcher` (q_hs: model.objective.prepare on a side stream) -> the training step. The
-one-process mode chains `produce` straight into a `Prefetcher`.
+one-process mode runs `produce` on its main thread, a micro-batch ahead, into a `Prefetcher` (`TargetAhead`).
 
 A micro-batch crosses as a `Packet`: a small int64 header over the gloo control group (so the receiver learns
 the shapes on the CPU without a GPU sync), then the payload tensors over the data group (NCCL on GPU, gloo on
@@ -43,6 +43,10 @@ class Packet:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Its tensors on a GPU (handoff's list, when a packet made on one thread's stream moves to another's)."""
+        return [t for t in (self.lengths, self.input_ids, self.loss_mask, self.features) if t.is_cuda]
 
 
 # --- transfers --------------------------------------------------------------------------------------------------------
@@ -284,6 +288,54 @@ class Prefetcher(threading.Thread):
         """End the thread (the bench's; a trainer's ends with its process)."""
         self.halt.set()
         self.join(timeout=30)
+
+
+class TargetAhead:
+    """The one process's feed: the target forward runs on the calling (main) thread, `ahead` micro-batches before
+    the training step needs them, and a Prefetcher thread prepares them (q_hs) on its own stream. get() as a
+    Prefetcher's.
+
+    The target is not run on the feeder thread: torch.fx's symbolic tracing sets one flag, and patches
+    nn.Module.__call__, for the whole process, not one thread, and dynamo raises when a compiled function runs while
+    that flag is on. With COMPILE_TARGET the feeder's forward failed so on an H200 ("Detected that you are using FX
+    to symbolically trace a dynamo-optimized function") while the main thread compiled the drafter. On the main
+    thread, compiles and forwards take turns. On one GPU the two never overlapped in the GPU's time anyway
+    (BENCHMARKS.md: the one process ran at the sum of the target's and the drafter's times), and with the forward
+    a micro-batch ahead the GPU's queue still holds the next target forward behind each drafter step."""
+
+    def __init__(self, packets, prepare, device, depth, ahead=1):
+        self.packets, self.device, self.ahead = iter(packets), torch.device(device), ahead
+        self.inbox = queue.Queue()        # (packet, its event on this thread's stream); None: no more packets
+        self.handed = 0                   # packets handed to the thread and not yet taken back by get()
+        self.ended = False
+        self.thread = Prefetcher(self._received(), prepare, device, depth, name="feeder")
+        self.q, self.prepare_s, self.prepare_cpu_s = self.thread.q, self.thread.prepare_s, self.thread.prepare_cpu_s
+
+    def _received(self):                  # runs on the thread, on its stream
+        while (entry := wake_get(self.inbox)) is not None:
+            yield handoff(*entry, self.device)
+
+    def start(self):
+        self.thread.start()
+
+    def get(self):
+        while not self.ended and self.handed <= self.ahead:
+            try:
+                p = next(self.packets)    # the target forward, here
+            except StopIteration:
+                self.ended = True
+                self.inbox.put(None)
+                break
+            cuda = self.device.type == "cuda"
+            self.inbox.put((p, torch.cuda.current_stream(self.device).record_event() if cuda else None))
+            self.handed += 1
+        item = self.thread.get()
+        self.handed -= 1
+        return item
+
+    def stop(self):
+        self.inbox.put(None)
+        self.thread.stop()
 
 
 def handoff(item, done, device):

@@ -44,7 +44,7 @@ from model.export import export_drafter
 from model.objective import block_metrics, dpace_reweight, micro_seed, prepare, weighted_ce
 from model.target import (DEFAULT_TARGET, Target, check_mask_token_id, default_mask_token_id, load_frozen_io)
 from optim import make_optimizer, scale_clip_
-from pipe import BusyClock, Prefetcher, Replica, Sender, StopPoint, Watchdog, produce, receive
+from pipe import BusyClock, Prefetcher, Replica, Sender, StopPoint, TargetAhead, Watchdog, produce, receive
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 
@@ -822,14 +822,7 @@ def load_target(d, dcfg, watchdog):
         log(f"[rank {d.rank} {d.role}] TARGET_FP8: {fp8.quantize_target(target)} Linear layers of target "
             f"layers 0..{max(dcfg.target_layer_ids)} in FP8 (per-row scales)")
     if COMPILE_TARGET:
-        target.compile_layers()   # a target rank compiles at its first forward, on this (the main) thread
-    if COMPILE_TARGET and d.colocated:
-        # The one process runs its target forward on the feeder thread (its own CUDA stream, so it overlaps the
-        # drafter step, and HF's host syncs stall the feeder, not the thread that launches the drafter). Dynamo
-        # would compile there at the first micro-batch, while the main thread compiles the drafter: instead every
-        # graph is made here, before the feeder starts, so it only runs them.
-        with Phase(d, "compile the target (main thread, before the feeder thread)", watchdog):
-            target.warm_up(TOKEN_BUDGET)
+        target.compile_layers()   # compiled at its first forward, on the main thread (the one process's too)
     return target
 
 
@@ -941,10 +934,11 @@ def restore_drafter(d, dcfg, resume_path, drafter, opt) -> None:
 
 def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats):
     """The drafter side's Prefetcher: prepared micro-batches Q_HS ahead, from the network (a drafter rank) or from the
-    target forward on the feeder thread (the one process; its q_pre depth goes to pre_stats)."""
+    target forward on the main thread, a micro-batch ahead (the one process: TargetAhead; its q_pre depth goes to
+    pre_stats)."""
     if d.colocated:
         packets = produce(data, sched.target_gs(0), target, d.device, Q_PREFETCH, stats=pre_stats)
-        feed = Prefetcher(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS, name="feeder")
+        feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS)
     else:
         schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
         packets = receive(schedule, d.ctrl, d.data, d.device, watchdog)

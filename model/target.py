@@ -71,20 +71,6 @@ class Target:
         for i in range(len(self.decoder.layers)):
             self.decoder.layers[i] = torch.compile(self.decoder.layers[i])
 
-    def warm_up(self, max_tokens: int) -> None:
-        """Make every graph the compiled layers need for real micro-batches now, on the calling thread, so that
-        later calls from any thread only run them: synthetic batches (at most max_tokens tokens each) with padding,
-        at two lengths (the first call compiles static shapes, the second makes them dynamic), one of a single
-        sequence (a size-1 batch dimension is specialised) and one without padding (HF passes no attention mask)."""
-        S = max(16, min(128, max_tokens // 4))
-        gen = torch.Generator().manual_seed(0)
-        for b, n, padded in ((2, S, True), (3, S - 3, True), (1, S - 5, False), (2, S - 7, False)):
-            ids = torch.randint(0, self.hf_config.vocab_size, (b, n), generator=gen)
-            attn = torch.ones(b, n, dtype=torch.long)
-            if padded:
-                attn[-1, n // 2:] = 0                                          # right padding, as Data.batch pads
-            self.features(ids.to(self.device), attn.to(self.device))
-
     @torch.no_grad()   # not inference_mode: the drafter's autograd graph must be allowed to read the features
     def features(self, input_ids, attention_mask=None, layer_ids=None):
         """input_ids, attention_mask [b, S] (right padding) -> [b, S, K*H]."""

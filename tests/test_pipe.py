@@ -1,5 +1,5 @@
 """pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks, the
-one-process mode and the bench), and checkpoint.resume_point, where a resumed run continues."""
+one-process mode and the bench), pipe.TargetAhead (the one process's target forward on the main thread), and checkpoint.resume_point, where a resumed run continues."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import checkpoint as ckpt
-from pipe import Prefetcher
+from pipe import Prefetcher, TargetAhead
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,6 +72,42 @@ def test_prefetcher_stop_ends_a_thread_blocked_on_a_full_queue():
     feed.get()
     feed.stop()
     assert not feed.is_alive()
+
+
+def test_target_ahead_forwards_on_the_calling_thread_one_micro_batch_ahead():
+    """The one process: the packets (produce's target forward) are drawn on the thread that calls get(), one
+    ahead of the micro-batch it returns, and prepared on the feeder thread, in order; a compiled target then never
+    runs while another thread compiles (torch.fx's tracing flag is one global of the process)."""
+    drawn = []
+
+    def packets():
+        for g in range(6):
+            drawn.append((g, threading.current_thread().name))
+            yield g
+    feed = TargetAhead(packets(), lambda g: Item(g, threading.current_thread().name), "cpu", depth=3)
+    feed.start()
+    time.sleep(0.2)
+    assert drawn == [], "nothing is drawn before the first get()"
+    first = feed.get()
+    assert first.g == 0 and [g for g, _ in drawn] == [0, 1], "get() draws its micro-batch and the next"
+    got = [first] + [feed.get() for _ in range(5)]
+    assert [i.g for i in got] == list(range(6)) and {i.thread for i in got} == {"feeder"}
+    assert {name for _, name in drawn} == {threading.current_thread().name}
+    feed.stop()
+    assert not feed.thread.is_alive()
+
+
+def test_target_ahead_raises_the_forwards_error_in_the_caller():
+    def packets():
+        yield 0
+        yield 1
+        raise OSError("target forward failed")
+    feed = TargetAhead(packets(), lambda g: Item(g, ""), "cpu", depth=2)
+    feed.start()
+    assert feed.get().g == 0
+    with pytest.raises(OSError, match="target forward failed"):
+        feed.get()
+    feed.stop()
 
 
 def data(content_hash="a", num_batches=10, rows=40):

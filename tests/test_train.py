@@ -102,14 +102,13 @@ def test_resume_with_another_split_continues_at_the_same_micro_batch(assets, tmp
 
 @pytest.mark.parametrize("compile_target", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path, compile_target):
-    """The single-process mode (its target forward and prepare on a feeder thread) and a 1 + 1 job see the same
-    micro-batches and take the same steps; with COMPILE_TARGET both compile the target's layers with inductor
-    (~1 min on 2 CPU cores: slow), the one process on its main thread before the feeder starts."""
+    """The single-process mode (its target forward on the main thread a micro-batch ahead, prepare on a feeder
+    thread) and a 1 + 1 job see the same micro-batches and take the same steps; with COMPILE_TARGET both compile
+    the target's layers with inductor (~1 min on 2 CPU cores: slow)."""
     target, data = assets
     args = dict(EPOCHS=2, LR=5e-3, LOG_EVERY=1, COMPILE_TARGET=compile_target)
     ok(run(2, base_args(target, data, tmp_path / "pair", **args), timeout=600))
     r = ok(run(1, base_args(target, data, tmp_path / "solo", **args), timeout=600))
-    assert ("compile the target (main thread, before the feeder thread) done" in r.stdout) == compile_target
     pair, solo = losses(tmp_path / "pair"), losses(tmp_path / "solo")
     assert len(pair) >= 4 and sorted(solo) == sorted(pair)
     for s in pair:   # the ranks split the CPU threads differently: reductions may round differently
