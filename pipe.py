@@ -3,7 +3,8 @@ into a quick, named exit.
 
 A micro-batch's route: `produce` (q_pre: data.batch on a prefetch thread, then the target forward) -> `Sender` ->
 wire -> `receive` -> `Prefetcher` (q_hs: model.objective.prepare on a side stream) -> the training step. The
-one-process mode runs `produce` on its main thread, a micro-batch ahead, into a `Prefetcher` (`TargetAhead`).
+one-process mode chains `produce` straight into a `Prefetcher` (the target forward on the feeder thread), or with a
+compiled target runs `produce` on its main thread a micro-batch ahead (`TargetAhead`).
 
 A micro-batch crosses as a `Packet`: a small int64 header over the gloo control group (so the receiver learns
 the shapes on the CPU without a GPU sync), then the payload tensors over the data group (NCCL on GPU, gloo on
@@ -291,17 +292,18 @@ class Prefetcher(threading.Thread):
 
 
 class TargetAhead:
-    """The one process's feed: the target forward runs on the calling (main) thread, `ahead` micro-batches before
-    the training step needs them, and a Prefetcher thread prepares them (q_hs) on its own stream. get() as a
-    Prefetcher's.
+    """The one process's feed with a compiled target (COMPILE_TARGET): the target forward runs on the calling (main)
+    thread, `ahead` micro-batches before the training step needs them, and a Prefetcher thread prepares them (q_hs)
+    on its own stream. get() as a Prefetcher's.
 
-    The target is not run on the feeder thread: torch.fx's symbolic tracing sets one flag, and patches
-    nn.Module.__call__, for the whole process, not one thread, and dynamo raises when a compiled function runs while
-    that flag is on. With COMPILE_TARGET the feeder's forward failed so on an H200 ("Detected that you are using FX
-    to symbolically trace a dynamo-optimized function") while the main thread compiled the drafter. On the main
-    thread, compiles and forwards take turns. On one GPU the two never overlapped in the GPU's time anyway
-    (BENCHMARKS.md: the one process ran at the sum of the target's and the drafter's times), and with the forward
-    a micro-batch ahead the GPU's queue still holds the next target forward behind each drafter step."""
+    A compiled target is not run on the feeder thread: torch.fx's symbolic tracing sets one flag for the whole
+    process, not one thread, and dynamo raises when a compiled function runs while that flag is on. The feeder's
+    compiled forward failed so on an H200 ("Detected that you are using FX to symbolically trace a dynamo-optimized
+    function") while the main thread compiled the drafter. On the main thread, compiles and forwards take turns. A
+    large target is GPU-bound, so little is lost (BENCHMARKS.md: at Qwen3-8B shapes the one process ran at the sum
+    of the target's and the drafter's times either way), and with the forward a micro-batch ahead the GPU's queue
+    holds the next target forward behind each drafter step. An eager target stays on the feeder thread (Prefetcher
+    over produce): a small one is launch-bound, and its kernels are then launched beside the drafter's."""
 
     def __init__(self, packets, prepare, device, depth, ahead=1):
         self.packets, self.device, self.ahead = iter(packets), torch.device(device), ahead

@@ -63,7 +63,8 @@ SLIDING_WINDOW_LAYERS = 0   # last S drafter layers use sliding-window attention
 SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config value
 
 # --- objective ------------------------------------------------------------------------------------------------------
-MAX_ANCHORS = 512           # blocks per micro-batch (anchors sampled without replacement, fresh every step)
+MAX_ANCHORS = 2048          # blocks per micro-batch (anchors sampled without replacement, fresh every step); 125 per
+                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md section 6: density at equal GPU time)
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
 LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 6)
@@ -934,11 +935,16 @@ def restore_drafter(d, dcfg, resume_path, drafter, opt) -> None:
 
 def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats):
     """The drafter side's Prefetcher: prepared micro-batches Q_HS ahead, from the network (a drafter rank) or from the
-    target forward on the main thread, a micro-batch ahead (the one process: TargetAhead; its q_pre depth goes to
-    pre_stats)."""
+    target forward (the one process; its q_pre depth goes to pre_stats). The one process runs an eager target on
+    the feeder thread, which launches its kernels beside the main thread's (a small target is launch-bound), and a
+    compiled one on the main thread a micro-batch ahead (TargetAhead: compiled code must not run on one thread while
+    another compiles)."""
     if d.colocated:
         packets = produce(data, sched.target_gs(0), target, d.device, Q_PREFETCH, stats=pre_stats)
-        feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS)
+        if COMPILE_TARGET:
+            feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS)
+        else:
+            feed = Prefetcher(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS, name="feeder")
     else:
         schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
         packets = receive(schedule, d.ctrl, d.data, d.device, watchdog)
@@ -1032,7 +1038,7 @@ class Run:
     opt: torch.optim.Optimizer
     embed: torch.nn.Embedding      # the target's, frozen
     head_w: torch.Tensor           # [V, H] the target's lm_head, frozen
-    feed: Prefetcher
+    feed: Prefetcher | TargetAhead
     pre_stats: dict                # the one process's q_pre depth (produce writes it)
     watchdog: Watchdog | None
     stop_flag: threading.Event     # set by a signal

@@ -234,14 +234,23 @@ def part_trainer(res, c, args, timeout):
     # the bench's own scratch run: the last call's final checkpoint would make RESUME=scratch refuse this one
     shutil.rmtree(REPO / "runs" / "fp8_h200_trainer", ignore_errors=True)
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    (REPO / "runs" / "fp8_h200_trainer.log").write_text(r.stdout + "\n--- stderr\n" + r.stderr)
-    rates = [(int(m[1]), float(m[2]) * (1e3 if m[3] else 1)) for m in STATUS.finditer(r.stdout)]
+    # the log is written as the run goes (a run stopped by the budget keeps what it printed: where it was)
+    log_path = REPO / "runs" / "fp8_h200_trainer.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = log_path.read_text()
+    rates = [(int(m[1]), float(m[2]) * (1e3 if m[3] else 1)) for m in STATUS.finditer(out)]
     steady = [v for s, v in rates if s > 10]
-    if r.returncode or not steady:
-        raise RuntimeError(f"trainer exit {r.returncode}, {len(rates)} status lines; last output:\n{r.stdout[-1500:]}"
-                           f"\n{r.stderr[-1500:]}")
-    peak = [l for l in r.stdout.splitlines() if "peak GPU memory" in l]
+    if code or not steady:
+        raise RuntimeError(f"trainer exit {code}, {len(rates)} status lines; last output:\n{out[-3000:]}")
+    peak = [l for l in out.splitlines() if "peak GPU memory" in l]
     # the run's own settings (a later --NAME=VALUE wins, as in the trainer), so --trainer-args can change them
     anchors, budget = (int([f for f in cmd if f.startswith(f"--{k}=")][-1].split("=", 1)[1])
                        for k in ("MAX_ANCHORS", "TOKEN_BUDGET"))

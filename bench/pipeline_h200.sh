@@ -228,6 +228,7 @@ for fr in ${FP8_RUNS:-all:}; do
     [ "$FP8_SECONDS" -lt 60 ] && { say "fp8 $fname: skipped ($FP8_SECONDS s left)"; continue; }
     fargs=(); [ -n "$smoke_flags$fflags" ] && fargs=("--trainer-args=$smoke_flags${fflags//,/ }")
     say "fp8 $fname: parts ${FP8_PARTS:-all} ${fargs[*]}, $FP8_SECONDS s at most"
+    rm -f runs/fp8_h200_trainer.log   # (the last run's, which a run that never starts would otherwise report)
     timeout -s KILL $(( FP8_SECONDS + 30 )) $PY -m bench.fp8_h200 ${FP8_PARTS:+--parts "$FP8_PARTS"} \
         --budget-s "$FP8_SECONDS" --json "$OUT/fp8_$fname.json" "${smoke_fp8[@]}" "${fargs[@]}" > "$OUT/fp8_$fname.txt" 2>&1
     cp runs/fp8_h200_trainer.log "$OUT/fp8_trainer_$fname.log" 2>/dev/null || true

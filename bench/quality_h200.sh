@@ -178,8 +178,9 @@ part_train() {
 }
 
 # TRAIN_MODE=alone: equal GPU time. The runs one after another, each with the GPU to itself for ALONE_SECONDS of
-# training (loading not counted): a throwaway probe of PROBE_STEPS measures the run's own steps/s alone (from its
-# first logged step to its last, so start-up and compilation are left out), and the run gets MAX_STEPS = that rate
+# training (loading not counted): a throwaway probe of PROBE_STEPS measures the run's own steps/s alone (over its
+# last logged interval, so start-up and the compiles of new shapes are left out: from its first logged step, the
+# 2026-12-03 probes read 4.6 steps/s where the runs then trained at ~8), and the run gets MAX_STEPS = that rate
 # x ALONE_SECONDS, its cosine schedule ending there. A run's --MAX_STEPS in RUNS is replaced.
 train_alone() {
     local name size extra rate n t0; t0=$(date +%s)
@@ -200,7 +201,8 @@ train_alone() {
                 --SAVE_EVERY=1000000 --KEEP_LAST=1 || true
             rate=$($PY -c "import json, sys
 m = [json.loads(l) for l in open(sys.argv[1])]
-print(f'{(m[-1][\"step\"] - m[0][\"step\"]) / (m[-1][\"elapsed_s\"] - m[0][\"elapsed_s\"]):.3f}' if len(m) > 1 else '')" \
+a = m[-2] if len(m) > 2 else m[0]   # the last interval: the first ones still compile new shapes
+print(f'{(m[-1][\"step\"] - a[\"step\"]) / (m[-1][\"elapsed_s\"] - a[\"elapsed_s\"]):.3f}' if len(m) > 1 else '')" \
                 "$WORK/probe/$name/metrics.jsonl" 2>/dev/null || true)
             [ -n "$rate" ] || { say "alone: $name's probe logged fewer than 2 lines ($WORK/probe/$name/train.log): left out"; continue; }
             n=$($PY -c "print(max(1, round($rate * $ALONE_SECONDS)))")

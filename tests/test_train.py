@@ -102,9 +102,9 @@ def test_resume_with_another_split_continues_at_the_same_micro_batch(assets, tmp
 
 @pytest.mark.parametrize("compile_target", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path, compile_target):
-    """The single-process mode (its target forward on the main thread a micro-batch ahead, prepare on a feeder
-    thread) and a 1 + 1 job see the same micro-batches and take the same steps; with COMPILE_TARGET both compile
-    the target's layers with inductor (~1 min on 2 CPU cores: slow)."""
+    """The single-process mode (target forward and prepare on a feeder thread; with COMPILE_TARGET the forward on
+    the main thread, a micro-batch ahead) and a 1 + 1 job see the same micro-batches and take the same steps; with
+    COMPILE_TARGET both compile the target's layers with inductor (~1 min on 2 CPU cores: slow)."""
     target, data = assets
     args = dict(EPOCHS=2, LR=5e-3, LOG_EVERY=1, COMPILE_TARGET=compile_target)
     ok(run(2, base_args(target, data, tmp_path / "pair", **args), timeout=600))
