@@ -307,11 +307,12 @@ class TargetAhead:
 
     def __init__(self, packets, prepare, device, depth, ahead=1):
         self.packets, self.device, self.ahead = iter(packets), torch.device(device), ahead
+        self.cuda = self.device.type == "cuda"
         self.inbox = queue.Queue()        # (packet, its event on this thread's stream); None: no more packets
         self.handed = 0                   # packets handed to the thread and not yet taken back by get()
         self.ended = False
         self.thread = Prefetcher(self._received(), prepare, device, depth, name="feeder")
-        self.q, self.prepare_s, self.prepare_cpu_s = self.thread.q, self.thread.prepare_s, self.thread.prepare_cpu_s
+        self.q = self.thread.q            # q_hs, for the status line
 
     def _received(self):                  # runs on the thread, on its stream
         while (entry := wake_get(self.inbox)) is not None:
@@ -328,8 +329,7 @@ class TargetAhead:
                 self.ended = True
                 self.inbox.put(None)
                 break
-            cuda = self.device.type == "cuda"
-            self.inbox.put((p, torch.cuda.current_stream(self.device).record_event() if cuda else None))
+            self.inbox.put((p, torch.cuda.current_stream(self.device).record_event() if self.cuda else None))
             self.handed += 1
         item = self.thread.get()
         self.handed -= 1

@@ -942,6 +942,8 @@ def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats):
     if d.colocated:
         packets = produce(data, sched.target_gs(0), target, d.device, Q_PREFETCH, stats=pre_stats)
         if COMPILE_TARGET:
+            log(f"[rank {d.rank} {d.role}] COMPILE_TARGET: the target forward runs on the main thread, a micro-batch "
+                f"ahead of the step; the feeder thread prepares")
             feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS)
         else:
             feed = Prefetcher(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS, name="feeder")

@@ -238,7 +238,7 @@ def part_trainer(res, c, args, timeout):
     log_path = REPO / "runs" / "fp8_h200_trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=timeout)
         finally:

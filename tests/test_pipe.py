@@ -1,5 +1,6 @@
 """pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks, the
-one-process mode and the bench), pipe.TargetAhead (the one process's target forward on the main thread), and checkpoint.resume_point, where a resumed run continues."""
+one-process mode and the bench), pipe.TargetAhead (the one process's compiled target forward on the main thread),
+and checkpoint.resume_point, where a resumed run continues."""
 import os
 import subprocess
 import sys

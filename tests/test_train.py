@@ -109,6 +109,7 @@ def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path, co
     args = dict(EPOCHS=2, LR=5e-3, LOG_EVERY=1, COMPILE_TARGET=compile_target)
     ok(run(2, base_args(target, data, tmp_path / "pair", **args), timeout=600))
     r = ok(run(1, base_args(target, data, tmp_path / "solo", **args), timeout=600))
+    assert ("the target forward runs on the main thread" in r.stdout) == compile_target
     pair, solo = losses(tmp_path / "pair"), losses(tmp_path / "solo")
     assert len(pair) >= 4 and sorted(solo) == sorted(pair)
     for s in pair:   # the ranks split the CPU threads differently: reductions may round differently
