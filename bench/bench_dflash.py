@@ -323,11 +323,11 @@ def synthetic_feed(c, lens):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True, fp8=False):
+    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True, fp8=False, fp8_recipe="rowwise"):
         self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
         if fp8:                                            # DRAFTER_FP8, in the trainer's order
-            convert_drafter(self.drafter)
+            convert_drafter(self.drafter, recipe=fp8_recipe)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         set_ce_kernel(ce_kernel)
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
@@ -413,7 +413,7 @@ def bench_drafter(args, c) -> dict:
         sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
     rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, bool(args.overlap_optimizer),
-                     args.drafter_fp8)
+                     args.drafter_fp8, args.drafter_fp8_recipe)
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
@@ -468,7 +468,7 @@ def bench_drafter(args, c) -> dict:
            "prepare_cpu_ms": 1e3 * sum(feeder.prepare_cpu_s) / max(1, len(feeder.prepare_cpu_s)),
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
-           "compile_drafter": args.compile_drafter, "fp8": args.drafter_fp8, "ce_kernel": args.ce_kernel,
+           "compile_drafter": args.compile_drafter, "fp8": args.drafter_fp8 and args.drafter_fp8_recipe, "ce_kernel": args.ce_kernel,
            "overlap_optimizer": bool(rig.opt.overlap),
            "profile": prof}
     out.update(c.mfu(out["tflops"]))
@@ -1033,6 +1033,8 @@ def parse_args(argv):
     ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer (COMPILE_TARGET)")
     ap.add_argument("--target-fp8", action="store_true", help="TARGET_FP8: the target's Linear layers in FP8")
     ap.add_argument("--drafter-fp8", action="store_true", help="DRAFTER_FP8: the drafter's Linear layers train in FP8")
+    ap.add_argument("--drafter-fp8-recipe", default="rowwise", choices=list(fp8.RECIPES),
+                    help="DRAFTER_FP8_RECIPE: torchao's float8 training recipe")
     ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
     ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],

@@ -33,7 +33,7 @@ import torch
 import planner
 import train_dflash as td
 from bench import bench_dflash as bd
-from model.fp8 import quantize_target
+from model.fp8 import RECIPES, quantize_target
 from model.target import Target, target_features
 
 ANCHORS = (512, 2048)       # blocks per 4 x 3072 micro-batch: the seeds' default, the peer's work
@@ -197,12 +197,18 @@ def part_target(res, c, args):
 # --- drafter ----------------------------------------------------------------------------------------------------------
 
 def part_drafter(res, c, args):
-    for name, extra in (("bf16", []), ("DRAFTER_FP8", ["--drafter-fp8"])):
-        a = bench_args(args, ["--compile-drafter", "layers", "--steps", str(args.steps), *extra])
+    """The drafter step in bf16 and with DRAFTER_FP8 in each recipe of --drafter-recipes; --profile N prints the
+    top CUDA kernels of N more steps of each."""
+    variants = [("bf16", [])] + [(f"DRAFTER_FP8 {r}", ["--drafter-fp8", "--drafter-fp8-recipe", r])
+                                 for r in args.drafter_recipes.split(",") if r]
+    for name, extra in variants:
+        a = bench_args(args, ["--compile-drafter", "layers", "--steps", str(args.steps), "--profile",
+                              str(args.profile), *extra])
         d = bd.bench_drafter(a, c)
         emit(res, f"drafter {name}", f"2048 blocks per 4 x 3072 ({bd.work_density(2048, 4, 3072)}): "
              f"{d['ms_per_step']:.1f} ms per step, {d['tok_s'] / 1e3:.1f}K ctx tok/s, {d['tflops']:.0f} TFLOP/s "
-             f"(bf16 FLOP count), peak {d['peak_mem_bytes'] / 2 ** 30:.2f} GiB", ms_per_step=d["ms_per_step"],
+             f"(bf16 FLOP count), peak " + (f"{d['peak_mem_bytes'] / 2 ** 30:.2f} GiB" if d["peak_mem_bytes"]
+                                             else "n/a (CPU)"), ms_per_step=d["ms_per_step"],
              tok_s=d["tok_s"])
         torch._dynamo.reset()
         c.free()
@@ -280,6 +286,10 @@ def main(argv=None):
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=290.0, help="skip a part that cannot finish inside this")
     ap.add_argument("--steps", type=int, default=5, help="timed forwards / drafter steps per variant")
+    ap.add_argument("--drafter-recipes", default="rowwise", help="drafter part: DRAFTER_FP8 recipes to time after "
+                    "bf16, comma list of " + ", ".join(RECIPES) + " ('' = bf16 only)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="drafter part: profile N more steps of each "
+                    "variant and print the top CUDA kernels")
     ap.add_argument("--trainer-steps", type=int, default=30, help="optimizer steps of the trainer run")
     ap.add_argument("--trainer-args", nargs="*", default=[], help="more --NAME=VALUE for the trainer, written "
                     "with '=' and space-separated: --trainer-args='--TARGET_FP8=1 --DRAFTER_FP8=1'")

@@ -65,14 +65,20 @@ def drafter_linears(drafter: nn.Module) -> list[str]:
             and m.in_features % 16 == 0 and m.out_features % 16 == 0]
 
 
-def convert_drafter(drafter: nn.Module, emulate: bool = False) -> int:
+RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")   # torchao's float8 training recipes (DRAFTER_FP8_RECIPE)
+
+
+def convert_drafter(drafter: nn.Module, emulate: bool = False, recipe: str = "rowwise") -> int:
     """DRAFTER_FP8 on a model.drafter.Drafter, in place, before the optimizer is built and before compile_drafter
-    (the parameters stay the same fp32 tensors; only the modules around them change). emulate: torchao's emulation
+    (the parameters stay the same fp32 tensors; only the modules around them change). recipe: one of RECIPES,
+    torchao's names: rowwise (every GEMM operand per-row scaled, e4m3), tensorwise (one scale per tensor, e5m2
+    gradients), rowwise_with_gw_hp (rowwise, the weight-gradient GEMM kept in bf16). emulate: torchao's emulation
     (float8 rounding, matmul in high precision), which runs on a CPU: tests only. Returns the number converted."""
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    assert recipe in RECIPES, f"DRAFTER_FP8_RECIPE {recipe!r} is not one of {RECIPES}"
     names = set(drafter_linears(drafter))
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
     convert_to_float8_training(drafter, config=config, module_filter_fn=lambda m, fqn: fqn in names)
     return len(names)

@@ -75,10 +75,11 @@ def test_rowwise_fp8_matmul_against_an_fp32_reference():
     assert 0.01 < err < 0.06 and bf16_err < err / 10, (err, bf16_err)
 
 
-def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_qwen3_dir):
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_qwen3_dir, recipe):
     """convert_drafter with torchao's emulation (float8 rounding of every GEMM operand, forward and backward, the
-    matmuls in high precision): the same parameters and checkpoint keys, fc untouched, and loss and gradients near
-    the bf16 ones but not equal to them (the conversion took effect)."""
+    matmuls in high precision), in each DRAFTER_FP8_RECIPE: the same parameters and checkpoint keys, fc untouched,
+    and loss and gradients near the bf16 ones but not equal to them (the conversion took effect)."""
     needs_torchao()
     from model.objective import weighted_ce
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_q
     conv = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
     params = [id(p) for p in conv.parameters()]
     keys = list(conv.state_dict())
-    n = fp8.convert_drafter(conv, emulate=True)
+    n = fp8.convert_drafter(conv, emulate=True, recipe=recipe)
     assert n == 2 * 7 and fp8.drafter_linears(conv) == fp8.drafter_linears(base)
     assert [id(p) for p in conv.parameters()] == params and list(conv.state_dict()) == keys
     assert type(conv.fc) is torch.nn.Linear and type(conv.layers[0].mlp.up_proj).__name__ == "Float8Linear"
@@ -101,7 +102,9 @@ def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_q
     grads = []
     for d in (base, conv):
         attn = d.attn_spec(anchors, torch.zeros_like(anchors), torch.zeros(T, dtype=torch.long))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        # rowwise_with_gw_hp's bf16 weight-gradient GEMM: torchao casts the input to the autocast dtype under CUDA
+        # autocast only, so on a CPU it would meet an fp32 input; that recipe is checked in fp32 here
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe != "rowwise_with_gw_hp"):
             h = d(feats, torch.arange(T), emb, (anchors[:, None] + torch.arange(B)).flatten(), attn)
             loss = weighted_ce(h, head, labels, w, chunk_size=16).loss_sum
         loss.backward()
