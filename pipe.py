@@ -303,16 +303,11 @@ class TargetAhead:
     large target is GPU-bound, so little is lost (BENCHMARKS.md: at Qwen3-8B shapes the one process ran at the sum
     of the target's and the drafter's times either way), and with the forward a micro-batch ahead the GPU's queue
     holds the next target forward behind each drafter step. An eager target stays on the feeder thread (Prefetcher
-    over produce): a small one is launch-bound, and its kernels are then launched beside the drafter's.
+    over produce): a small one is launch-bound, and its kernels are then launched beside the drafter's."""
 
-    side_stream (GPU): the forwards are launched on a stream of their own, so the GPU may run them beside the
-    drafter step's kernels (where either leaves SMs idle) rather than after them; the feeder's handoff waits for
-    each forward's event either way."""
-
-    def __init__(self, packets, prepare, device, depth, ahead=1, side_stream=False):
+    def __init__(self, packets, prepare, device, depth, ahead=1):
         self.packets, self.device, self.ahead = iter(packets), torch.device(device), ahead
         self.cuda = self.device.type == "cuda"
-        self.side = torch.cuda.Stream(self.device) if self.cuda and side_stream else None
         self.inbox = queue.Queue()        # (packet, its event on this thread's stream); None: no more packets
         self.handed = 0                   # packets handed to the thread and not yet taken back by get()
         self.ended = False
@@ -328,15 +323,13 @@ class TargetAhead:
 
     def get(self):
         while not self.ended and self.handed <= self.ahead:
-            with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                try:
-                    p = next(self.packets)    # the target forward, here
-                except StopIteration:
-                    self.ended = True
-                    self.inbox.put(None)
-                    break
-                done = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-            self.inbox.put((p, done))
+            try:
+                p = next(self.packets)    # the target forward, here
+            except StopIteration:
+                self.ended = True
+                self.inbox.put(None)
+                break
+            self.inbox.put((p, torch.cuda.current_stream(self.device).record_event() if self.cuda else None))
             self.handed += 1
         item = self.thread.get()
         self.handed -= 1

@@ -98,11 +98,10 @@ COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) |
 COMPILE_TARGET = False      # torch.compile each target decoder layer (one process: run on the main thread, one ahead)
 TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
 DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, DRAFTER_FP8_RECIPE)
-DRAFTER_FP8_RECIPE = "rowwise"   # rowwise | tensorwise | rowwise_with_gw_hp (torchao's recipes, model/fp8.py)
+DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # | rowwise | tensorwise: torchao's recipes (model/fp8.py)
 DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (optim.py)
-OVERLAP_TARGET = False      # GPU, one process, COMPILE_TARGET: the target forward on its own stream, beside the step
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
 Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
 SEND_DEPTH = 2              # feature tensors a target rank may have in flight
@@ -862,10 +861,10 @@ def build_drafter(d, dcfg, target, resume_path, watchdog):
         torch.manual_seed(SEED)
         drafter = Drafter(dcfg).to(d.device)                      # fp32 master weights
         if DRAFTER_FP8:   # the same parameters in other modules: before the optimizer and the compile
-            log(f"[rank {d.rank} {d.role}] DRAFTER_FP8: {fp8.convert_drafter(drafter, recipe=DRAFTER_FP8_RECIPE)} "
-                f"Linear layers train in FP8 ({DRAFTER_FP8_RECIPE}); fc and the lm_head stay bf16" + ("" if COMPILE_DRAFTER == "layers" else
-                                                              "; meant with COMPILE_DRAFTER=layers, which fuses "
-                                                              "its casts"))
+            n = fp8.convert_drafter(drafter, recipe=DRAFTER_FP8_RECIPE)
+            log(f"[rank {d.rank} {d.role}] DRAFTER_FP8: {n} Linear layers train in FP8 ({DRAFTER_FP8_RECIPE}); fc "
+                f"and the lm_head stay bf16" + ("" if COMPILE_DRAFTER == "layers" else
+                                                "; meant with COMPILE_DRAFTER=layers, which fuses its casts"))
         # not sharded: frozen, outside the optimizer, so sharding would save only their bf16 copy, for an all-gather
         # of [V, H] every micro-batch
         embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
@@ -947,10 +946,8 @@ def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats):
         packets = produce(data, sched.target_gs(0), target, d.device, Q_PREFETCH, stats=pre_stats)
         if COMPILE_TARGET:
             log(f"[rank {d.rank} {d.role}] COMPILE_TARGET: the target forward runs on the main thread, a micro-batch "
-                f"ahead of the step" + (", on its own stream (OVERLAP_TARGET)" if OVERLAP_TARGET and
-                                        d.device.type == "cuda" else "") + "; the feeder thread prepares")
-            feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS,
-                               side_stream=OVERLAP_TARGET)
+                f"ahead of the step; the feeder thread prepares")
+            feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS)
         else:
             feed = Prefetcher(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS, name="feeder")
     else:

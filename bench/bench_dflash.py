@@ -468,7 +468,8 @@ def bench_drafter(args, c) -> dict:
            "prepare_cpu_ms": 1e3 * sum(feeder.prepare_cpu_s) / max(1, len(feeder.prepare_cpu_s)),
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
-           "compile_drafter": args.compile_drafter, "fp8": args.drafter_fp8 and args.drafter_fp8_recipe, "ce_kernel": args.ce_kernel,
+           "compile_drafter": args.compile_drafter, "fp8": args.drafter_fp8 and args.drafter_fp8_recipe,
+           "ce_kernel": args.ce_kernel,
            "overlap_optimizer": bool(rig.opt.overlap),
            "profile": prof}
     out.update(c.mfu(out["tflops"]))
@@ -1033,7 +1034,7 @@ def parse_args(argv):
     ap.add_argument("--compile", action="store_true", help="torch.compile each target decoder layer (COMPILE_TARGET)")
     ap.add_argument("--target-fp8", action="store_true", help="TARGET_FP8: the target's Linear layers in FP8")
     ap.add_argument("--drafter-fp8", action="store_true", help="DRAFTER_FP8: the drafter's Linear layers train in FP8")
-    ap.add_argument("--drafter-fp8-recipe", default="rowwise", choices=list(fp8.RECIPES),
+    ap.add_argument("--drafter-fp8-recipe", default=fp8.RECIPES[0], choices=list(fp8.RECIPES),
                     help="DRAFTER_FP8_RECIPE: torchao's float8 training recipe")
     ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")

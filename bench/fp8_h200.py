@@ -286,7 +286,7 @@ def main(argv=None):
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=290.0, help="skip a part that cannot finish inside this")
     ap.add_argument("--steps", type=int, default=5, help="timed forwards / drafter steps per variant")
-    ap.add_argument("--drafter-recipes", default="rowwise", help="drafter part: DRAFTER_FP8 recipes to time after "
+    ap.add_argument("--drafter-recipes", default=RECIPES[0], help="drafter part: DRAFTER_FP8 recipes to time after "
                     "bf16, comma list of " + ", ".join(RECIPES) + " ('' = bf16 only)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="drafter part: profile N more steps of each "
                     "variant and print the top CUDA kernels")

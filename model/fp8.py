@@ -5,8 +5,16 @@ float8 weight (`Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`
 input and per output channel of the weight, a float8 GEMM with bf16 output. The embedding and lm_head stay bf16
 (the drafter's loss reads lm_head), and so do the layers past the last tap (never run for the features).
 
-DRAFTER_FP8: the drafter's decoder-layer Linear layers train with torchao's float8 training, rowwise recipe (the
-forward and both backward GEMMs in float8 with per-row scales; fp32 master weights as before). What stays bf16:
+DRAFTER_FP8: the drafter's decoder-layer Linear layers train with torchao's float8 training (fp32 master weights as
+before), in DRAFTER_FP8_RECIPE, one of torchao's recipes:
+- rowwise_with_gw_hp (the default): the forward GEMM in float8 with per-row scales (input per token, weight per
+  output channel), the input-gradient GEMM in float8 (output gradient per row, weight per tensor), the
+  weight-gradient GEMM in bf16;
+- rowwise: all three GEMMs in float8 with per-row scales; the weight gradient's operands are scaled along the token
+  dimension, and those column-wise amax reductions cost more than the GEMMs save;
+- tensorwise: one scale per tensor, gradients in e5m2, all three GEMMs in float8.
+At 2,048 blocks per 4 x 3072 tokens, Qwen3-8B shapes, an H200 (BENCHMARKS.md section 2): 451 / 543 / 459 ms per
+drafter step against bf16's 516. What stays bf16:
 - the lm_head + CE: a plain matmul of the frozen target weight in model.objective, not an nn.Linear;
 - fc: its input is the target's raw residual stream, whose massive-activation channels (10^3-10^4 x the median
   in Qwen/Llama-style models) would set each row's scale and push the rest of the row into e4m3's subnormals;
@@ -53,8 +61,11 @@ def quantize_target(target) -> int:
     then compile). Returns the number of Linear layers quantised."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     names = set(target_linears(target.decoder, max(target.layer_ids)))
-    quantize_(target.decoder, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-              filter_fn=lambda m, fqn: fqn in names)
+    # set_inductor_config=False: torchao's default turns on inductor's coordinate-descent tuning for the whole
+    # process, and the drafter compiled after it then benchmarks every kernel's configs while it compiles: on an
+    # H200 the one process sat > 200 s in the drafter's first compile, the GPU idle (2026-12-03)
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    quantize_(target.decoder, config, filter_fn=lambda m, fqn: fqn in names)
     return len(names)
 
 
@@ -65,10 +76,10 @@ def drafter_linears(drafter: nn.Module) -> list[str]:
             and m.in_features % 16 == 0 and m.out_features % 16 == 0]
 
 
-RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")   # torchao's float8 training recipes (DRAFTER_FP8_RECIPE)
+RECIPES = ("rowwise_with_gw_hp", "rowwise", "tensorwise")   # torchao's float8 training recipes (DRAFTER_FP8_RECIPE)
 
 
-def convert_drafter(drafter: nn.Module, emulate: bool = False, recipe: str = "rowwise") -> int:
+def convert_drafter(drafter: nn.Module, emulate: bool = False, recipe: str = RECIPES[0]) -> int:
     """DRAFTER_FP8 on a model.drafter.Drafter, in place, before the optimizer is built and before compile_drafter
     (the parameters stay the same fp32 tensors; only the modules around them change). recipe: one of RECIPES,
     torchao's names: rowwise (every GEMM operand per-row scaled, e4m3), tensorwise (one scale per tensor, e5m2

@@ -58,6 +58,12 @@ def test_bad_numeric_values_are_refused(cfg, name, value, message):
     assert message in cfg.check()
 
 
+def test_unknown_drafter_fp8_recipe_is_refused_with_the_choices(cfg):
+    cfg.set(DRAFTER_FP8_RECIPE="rowwise_fast")
+    assert ("DRAFTER_FP8_RECIPE='rowwise_fast': allowed are rowwise_with_gw_hp, rowwise, tensorwise"
+            in cfg.check())
+
+
 def test_out_dir_that_is_a_file_and_target_without_weights(cfg, tiny_llama_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     cfg.set(OUT_DIR=str(tmp_path / "file"))

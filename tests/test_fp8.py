@@ -42,6 +42,23 @@ def test_target_fp8_takes_the_linear_layers_up_to_the_last_tap(tiny_qwen3_dir):
     assert names == [f"layers.{i}.{p}" for i in range(4) for p in per_layer]    # not 4, 5, the embedding, lm_head
 
 
+def test_target_fp8_leaves_inductors_settings_alone(tiny_qwen3_dir, monkeypatch):
+    """quantize_target converts the Linear layers up to the last tap and changes no process-wide inductor setting
+    (torchao's default turns on coordinate-descent tuning, which made the drafter's compile after it take minutes).
+    torchao's hardware check is bypassed: the CPU runs the conversion, not the FP8 GEMMs."""
+    needs_torchao()
+    import torch._inductor.config as inductor
+    import torchao.quantization.quant_api as qa
+    from model.target import Target
+    monkeypatch.setattr(qa, "_check_hardware_support", lambda granularity: None)
+    t = Target(tiny_qwen3_dir, dtype=torch.bfloat16, layer_ids=[1, 2])
+    before = inductor.save_config_portable()
+    assert fp8.quantize_target(t) == 3 * 7
+    assert inductor.save_config_portable() == before
+    kinds = {type(t.decoder.layers[i].mlp.up_proj.weight).__name__ for i in (0, 2)}
+    assert kinds == {"Float8Tensor"} and type(t.decoder.layers[3].mlp.up_proj.weight) is torch.nn.Parameter
+
+
 def test_rowwise_fp8_matmul_against_an_fp32_reference():
     """torchao's per-row float8 quantisation (what Float8DynamicActivationFloat8WeightConfig(PerRow()) applies to
     each weight and, per micro-batch, to each activation) and the scaled GEMM it calls on the GPU

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import checkpoint as ckpt
 from pipe import Prefetcher, TargetAhead
@@ -110,42 +109,6 @@ def test_target_ahead_raises_the_forwards_error_in_the_caller():
     with pytest.raises(OSError, match="target forward failed"):
         feed.get()
     feed.stop()
-
-
-class Tensors:
-    def __init__(self, g, x):
-        self.g, self.x = g, x
-
-    def device_tensors(self):
-        return [self.x]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA streams)")
-@pytest.mark.parametrize("side_stream", [False, True])
-def test_target_ahead_side_stream_forwards_off_the_main_stream_and_hands_over_safely(side_stream):
-    """OVERLAP_TARGET: the forwards are launched on TargetAhead's own stream, not the caller's, and what they write
-    reaches the caller whole (the handoff orders the streams: a long matmul chain, read at once on the main stream)."""
-    main = torch.cuda.current_stream()
-    streams = []
-    w = torch.randn(2048, 2048, device="cuda") / 2048 ** 0.5
-
-    def packets():
-        for g in range(4):
-            streams.append(torch.cuda.current_stream())
-            x = torch.full((2048, 2048), float(g + 1), device="cuda")
-            for _ in range(20):                 # long enough to be unfinished when the caller reads it
-                x = x @ w + x
-            yield Tensors(g, x)
-    feed = TargetAhead(packets(), lambda t: t, "cuda", depth=2, side_stream=side_stream)
-    feed.start()
-    got = [feed.get() for _ in range(4)]
-    feed.stop()
-    assert all((s != main) == side_stream for s in streams), streams
-    for t in got:   # the same chain on the main stream, after everything else
-        x = torch.full((2048, 2048), float(t.g + 1), device="cuda")
-        for _ in range(20):
-            x = x @ w + x
-        assert torch.equal(t.x, x), f"micro-batch {t.g} differs from its forward on the main stream"
 
 
 def data(content_hash="a", num_batches=10, rows=40):
