@@ -116,6 +116,19 @@ if [ "$PLAN" = fresh ]; then
     export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
+# PLAN=fp8, for a lease that carried the greedy set back (PART=unpack, GEN_SETS=greedy): issue 18's FP8 switches. First
+# the one-process trainer at Qwen3-8B shapes with TARGET_FP8 (its stalls' cause fixed in 608766e, not yet run) and
+# with TARGET_FP8 + DRAFTER_FP8; then DRAFTER_FP8's tau cost on SmolLM2 at equal data and steps, against the same
+# recipe in bf16 and with both switches (side by side; EQUAL_STEPS evaluates all at the step every run reached).
+if [ "$PLAN" = fp8 ]; then
+    STAGES=${STAGES:-fp8 prep train eval}
+    export GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-1} \
+        COUNT_OPS=${COUNT_OPS:-0} DECODE=${DECODE:-0}
+    [ "${SMOKE:-0}" = 1 ] || export STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-250} EVAL_RESERVE=${EVAL_RESERVE:-120} \
+        FP8_SECONDS=${FP8_SECONDS:-270}
+    export RUNS=${RUNS:-"base:set_greedy:--MAX_ANCHORS=2048 dfp8:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1 fp8s:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1,--TARGET_FP8=1"}
+    export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"tfp8:--TARGET_FP8=1 both:--TARGET_FP8=1,--DRAFTER_FP8=1"}
+fi
 # PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
 # self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered
 # greedily (what greedy verification accepts, the eval's decoding) against 50K at T=0.6 (the sets so far), equal
