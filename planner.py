@@ -210,6 +210,10 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
               * d["ce_rows"] * s.V, fwd, "CE_CHUNK"),
         _term(f"gradients fp32{of_n}", "grads", P * FP32 * share, bwd),
     ]
+    if cfg.get("HEAD_FP8"):   # model.fp8.HeadFP8: W twice in e4m3, and each chunk's dL/dlogits quantised once more
+        terms += [_term(f"HEAD_FP8: the lm_head [{s.V}, {s.H}] twice in e4m3", "head fp8", 2 * s.V * s.H, "static"),
+                  _term(f"HEAD_FP8: a chunk's dL/dlogits [{d['ce_rows']}, {s.V}] in e4m3", "CE chunk fp8",
+                        d["ce_rows"] * s.V, fwd, "CE_CHUNK")]
     if fsdp:
         root, layer = P - L * drafter_layer_params(s), drafter_layer_params(s)
         w = FP32 if d["fp32"] else BF16

@@ -99,6 +99,7 @@ COMPILE_TARGET = False      # torch.compile each target decoder layer (one proce
 TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
 DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, DRAFTER_FP8_RECIPE)
 DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # | rowwise | tensorwise: torchao's recipes (model/fp8.py)
+HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradient) in FP8, per-row scales (SM89+)
 DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (optim.py)
@@ -242,6 +243,13 @@ def check_config(world: int) -> None:
         elif not any(next(tgt.glob(pat), None) for pat in ckpt.WEIGHT_FILES):
             errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
                         f"download the model's weight files into it")
+        if HEAD_FP8:
+            tc = json.loads((tgt / "config.json").read_text())
+            tc = tc.get("text_config", tc)
+            V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
+            if V % 16 or H % 16:
+                errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
+                            f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
     if FLEX_OPTIONS:
         try:
             if not isinstance(json.loads(FLEX_OPTIONS), dict):
@@ -869,6 +877,11 @@ def build_drafter(d, dcfg, target, resume_path, watchdog):
         # of [V, H] every micro-batch
         embed, head_w, _ = load_frozen_io(TARGET, d.device, d.dtype) if target is None else \
             (target.embed_tokens, target.lm_head_weight, None)
+        if HEAD_FP8:   # quantised once; the bf16 weight stays inside it for the rest
+            head_w = fp8.HeadFP8(head_w)
+            log(f"[rank {d.rank} {d.role}] HEAD_FP8: the loss's lm_head GEMMs in FP8 ([{head_w.weight.shape[0]}, "
+                f"{head_w.weight.shape[1]}] quantised per row and per column, "
+                f"{2 * head_w.weight.numel() / 2 ** 30:.2f} GiB)")
         if INIT_FROM and not resume_path:
             dtype = load_init_from(drafter)
             if d.is_master:
@@ -966,7 +979,8 @@ def main(argv):
     config.update(TARGET=TARGET, DATA=DATA)
     d = Dist()
     log(f"[rank {d.rank} {d.role}] {d}")
-    errs = [e for name in ("TARGET_FP8", "DRAFTER_FP8") if globals()[name] and (e := fp8.check(name, d.device))]
+    errs = [e for name in ("TARGET_FP8", "DRAFTER_FP8", "HEAD_FP8") if globals()[name] and
+            (e := fp8.check(name, d.device))]
     if errs:   # every rank checks, so the whole job stops here, before any model loads
         sys.exit("error: " + "; ".join(errs))
     out_dir, watchdog = Path(OUT_DIR), None
@@ -1042,7 +1056,7 @@ class Run:
     model: torch.nn.Module         # the drafter (FSDP2-sharded with DRAFTER_SHARDING=fsdp), or its DDP wrapper
     opt: torch.optim.Optimizer
     embed: torch.nn.Embedding      # the target's, frozen
-    head_w: torch.Tensor           # [V, H] the target's lm_head, frozen
+    head_w: torch.Tensor | fp8.HeadFP8   # [V, H] the target's lm_head, frozen (HEAD_FP8: with its FP8 copies)
     feed: Prefetcher | TargetAhead
     pre_stats: dict                # the one process's q_pre depth (produce writes it)
     watchdog: Watchdog | None

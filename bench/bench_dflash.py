@@ -323,14 +323,17 @@ def synthetic_feed(c, lens):
 class DrafterRig:
     """One drafter rank: fp32 master weights, the frozen embedding / lm_head, the trainer's AdamW and its step."""
 
-    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True, fp8=False, fp8_recipe="rowwise"):
+    def __init__(self, c, seed=0, compile_mode="off", ce_kernel="auto", overlap=True, drafter_fp8=False,
+                 fp8_recipe=fp8.RECIPES[0], head_fp8=False):
         self.c = c
         self.drafter = build_drafter(c.dcfg, c.device, seed)
-        if fp8:                                            # DRAFTER_FP8, in the trainer's order
+        if drafter_fp8:                                    # DRAFTER_FP8, in the trainer's order
             convert_drafter(self.drafter, recipe=fp8_recipe)
         compile_drafter(self.drafter, compile_mode)        # "off" included: a previous rig's mode is undone
         set_ce_kernel(ce_kernel)
         self.embed, self.head_w = frozen_io(c.hf, c.device, c.dtype)
+        if head_fp8:                                       # HEAD_FP8: the loss's lm_head GEMMs in FP8
+            self.head_w = fp8.HeadFP8(self.head_w)
         params = list(self.drafter.parameters())
         self.params = params
         self.opt = make_optimizer(self.drafter, td.LR, td.WEIGHT_DECAY, overlap=overlap)
@@ -353,7 +356,7 @@ class SavedBytes:
 
     def __init__(self, rig, item):
         self.skip = {t.untyped_storage().data_ptr() for t in
-                     [*rig.params, rig.embed.weight, rig.head_w, item.features]}
+                     [*rig.params, rig.embed.weight, getattr(rig.head_w, "weight", rig.head_w), item.features]}
         self.wshapes = {tuple(p.shape) for p in rig.params if p.dim() == 2}
         self.wshapes |= {s[::-1] for s in self.wshapes}
         self.seen = {}
@@ -413,7 +416,7 @@ def bench_drafter(args, c) -> dict:
         sys.setswitchinterval(args.switch_interval)
     t0 = time.time()
     rig = DrafterRig(c, args.seed, args.compile_drafter, args.ce_kernel, bool(args.overlap_optimizer),
-                     args.drafter_fp8, args.drafter_fp8_recipe)
+                     args.drafter_fp8, args.drafter_fp8_recipe, args.head_fp8)
     build_s = time.time() - t0
     compile_s = 0.0
     if c.flex:   # the trainer's order: compile on the main thread before the receiver thread starts
@@ -469,7 +472,7 @@ def bench_drafter(args, c) -> dict:
            "prepare_med_ms": 1e3 * _median(feeder.prepare_s), "prepare_cpu_med_ms": 1e3 * _median(feeder.prepare_cpu_s),
            "queue_wait_ms": 1e3 * waited / steps, "peak_mem_bytes": peak, "phases": phases, "saved_bytes": saved,
            "compile_drafter": args.compile_drafter, "fp8": args.drafter_fp8 and args.drafter_fp8_recipe,
-           "ce_kernel": args.ce_kernel,
+           "head_fp8": args.head_fp8, "ce_kernel": args.ce_kernel,
            "overlap_optimizer": bool(rig.opt.overlap),
            "profile": prof}
     out.update(c.mfu(out["tflops"]))
@@ -1036,6 +1039,7 @@ def parse_args(argv):
     ap.add_argument("--drafter-fp8", action="store_true", help="DRAFTER_FP8: the drafter's Linear layers train in FP8")
     ap.add_argument("--drafter-fp8-recipe", default=fp8.RECIPES[0], choices=list(fp8.RECIPES),
                     help="DRAFTER_FP8_RECIPE: torchao's float8 training recipe")
+    ap.add_argument("--head-fp8", action="store_true", help="HEAD_FP8: the loss's lm_head GEMMs in FP8")
     ap.add_argument("--compile-drafter", default="off", choices=["off", "elementwise", "layers"],
                     help="COMPILE_DRAFTER: fused RMSNorm + RoPE, or each drafter layer compiled whole")
     ap.add_argument("--ce-kernel", default="auto", choices=["auto", "eager"],
@@ -1093,7 +1097,8 @@ def run(args) -> dict:
     if world > 1 and (not torch.cuda.is_available() or args.cpu):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))     # the two CPU ranks share the cores
     c = Context(args)
-    errs = [e for name, flag in (("TARGET_FP8", "--target-fp8"), ("DRAFTER_FP8", "--drafter-fp8"))
+    errs = [e for name, flag in (("TARGET_FP8", "--target-fp8"), ("DRAFTER_FP8", "--drafter-fp8"),
+                                 ("HEAD_FP8", "--head-fp8"))
             if getattr(args, name.lower()) and (e := fp8.check(name, c.device, fix=f"leave out {flag}"))]
     if errs:
         sys.exit("error: " + "; ".join(errs))

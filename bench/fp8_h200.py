@@ -201,6 +201,8 @@ def part_drafter(res, c, args):
     top CUDA kernels of N more steps of each."""
     variants = [("bf16", [])] + [(f"DRAFTER_FP8 {r}", ["--drafter-fp8", "--drafter-fp8-recipe", r])
                                  for r in args.drafter_recipes.split(",") if r]
+    if args.head_fp8:   # each again with the loss's lm_head GEMMs in FP8
+        variants += [(f"{name} + HEAD_FP8", [*extra, "--head-fp8"]) for name, extra in variants]
     for name, extra in variants:
         a = bench_args(args, ["--compile-drafter", "layers", "--steps", str(args.steps), "--profile",
                               str(args.profile), *extra])
@@ -293,6 +295,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed forwards / drafter steps per variant")
     ap.add_argument("--drafter-recipes", default=RECIPES[0], help="drafter part: DRAFTER_FP8 recipes to time after "
                     "bf16, comma list of " + ", ".join(RECIPES) + " ('' = bf16 only)")
+    ap.add_argument("--head-fp8", action="store_true", help="drafter part: each variant also with HEAD_FP8")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="drafter part: profile N more steps of each "
                     "variant and print the top CUDA kernels")
     ap.add_argument("--trainer-steps", type=int, default=30, help="optimizer steps of the trainer run")

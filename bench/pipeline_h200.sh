@@ -117,17 +117,19 @@ if [ "$PLAN" = fresh ]; then
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
 # PLAN=fp8, for a lease that carried the greedy set back (PART=unpack, GEN_SETS=greedy): issue 18's FP8 switches. First
-# the one-process trainer at Qwen3-8B shapes with TARGET_FP8 (its stalls' cause fixed in 608766e, not yet run) and
-# with TARGET_FP8 + DRAFTER_FP8; then DRAFTER_FP8's tau cost on SmolLM2 at equal data and steps, against the same
-# recipe in bf16 and with both switches (side by side; EQUAL_STEPS evaluates all at the step every run reached).
+# the drafter step with HEAD_FP8 (FP8_PRE), then the one-process trainer at Qwen3-8B shapes with TARGET_FP8 (its
+# stalls' cause fixed in 608766e, not yet run), with all three switches, and with TARGET_FP8 + DRAFTER_FP8; then
+# the tau cost of DRAFTER_FP8, of HEAD_FP8 on top and of all three on SmolLM2 at equal data and steps, against the
+# same recipe in bf16 (side by side; EQUAL_STEPS evaluates all at the step every run reached).
 if [ "$PLAN" = fp8 ]; then
     STAGES=${STAGES:-fp8 prep train eval}
     export GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-1} \
         COUNT_OPS=${COUNT_OPS:-0} DECODE=${DECODE:-0}
     [ "${SMOKE:-0}" = 1 ] || export STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-250} EVAL_RESERVE=${EVAL_RESERVE:-120} \
         FP8_SECONDS=${FP8_SECONDS:-270}
-    export RUNS=${RUNS:-"base:set_greedy:--MAX_ANCHORS=2048 dfp8:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1 fp8s:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1,--TARGET_FP8=1"}
-    export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"tfp8:--TARGET_FP8=1 both:--TARGET_FP8=1,--DRAFTER_FP8=1"}
+    export RUNS=${RUNS:-"base:set_greedy:--MAX_ANCHORS=2048 dfp8:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1 hfp8:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1,--HEAD_FP8=1 fp8s:set_greedy:--MAX_ANCHORS=2048,--DRAFTER_FP8=1,--HEAD_FP8=1,--TARGET_FP8=1"}
+    export FP8_PRE=${FP8_PRE-"--parts limits,drafter --drafter-recipes rowwise_with_gw_hp --head-fp8"}
+    export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"tfp8:--TARGET_FP8=1 all3:--TARGET_FP8=1,--DRAFTER_FP8=1,--HEAD_FP8=1 both:--TARGET_FP8=1,--DRAFTER_FP8=1"}
 fi
 # PLAN=greedy, for a lease with no set to carry back: the answers' temperature as a data lever, on the same
 # self-written prompts (one seed, so each row's first user turn is the same in both sets): 50K conversations answered
@@ -235,6 +237,15 @@ stage fp8
 smoke_fp8=(); smoke_flags=
 [ "${SMOKE:-0}" = 1 ] && smoke_fp8=(--shape tiny --trainer-steps 20 --assets "$WORK/fp8_assets") \
     smoke_flags="--DEVICE=cpu --MAX_ANCHORS=32 --TOKEN_BUDGET=1024 "
+# FP8_PRE: one more call first, with these arguments of its own (PLAN=fp8: the drafter part with HEAD_FP8)
+if [ -n "${FP8_PRE:-}" ] && [ "$(left)" -ge 120 ]; then
+    pre_s=$(( $(left) < FP8_SECONDS ? $(left) : FP8_SECONDS ))
+    say "fp8 pre: $FP8_PRE, $pre_s s at most"
+    # shellcheck disable=SC2086  # FP8_PRE is a list of arguments
+    timeout -s KILL $(( pre_s + 30 )) $PY -m bench.fp8_h200 $FP8_PRE --budget-s "$pre_s" --json "$OUT/fp8_pre.json" \
+        "${smoke_fp8[@]}" > "$OUT/fp8_pre.txt" 2>&1
+    grep -E "^(drafter|limits|split)" "$OUT/fp8_pre.txt" | tail -12
+fi
 for fr in ${FP8_RUNS:-all:}; do
     IFS=: read -r fname fflags <<< "$fr"
     FP8_SECONDS=$(( $(left) < FP8_SECONDS ? $(left) : FP8_SECONDS ))

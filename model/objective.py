@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from model import ce_kernel
 from model.attention import AttnSpec, make_attn_spec, to_device
+from model.fp8 import HeadFP8
 
 
 def pack(lengths):
@@ -193,9 +194,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
     lm_head must be frozen then, as grad_W sums over rows and would need every w_r before the first chunk."""
 
     @staticmethod
-    def forward(ctx, h, W, labels, w, chunk_size, reweight):
+    def forward(ctx, h, W, labels, w, chunk_size, reweight, head8=None):
         want_gW = ctx.needs_input_grad[1]
         assert not (want_gW and reweight), "weights made from the CE itself need a frozen lm_head"
+        assert not (want_gW and head8), "HEAD_FP8 quantises a frozen lm_head once"
         ctx.W_dtype = W.dtype
         ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)        # [R]
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
@@ -205,12 +207,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         w_run = torch.ones_like(w, dtype=torch.float32) if reweight else w.float()
         for s in range(0, h.shape[0], chunk_size):
             hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w_run[s:s + chunk_size]
-            logits = hc @ W.T                                                    # [c, V]
+            logits = head8.logits(hc) if head8 is not None else hc @ W.T       # [c, V]
             ce[s:s + chunk_size], correct[s:s + chunk_size], g = _pick_epilogue(logits)(logits, yc, wc, need_grad)
             if g is None:
                 continue
             if grad_h is not None:
-                grad_h[s:s + chunk_size] = g @ W
+                grad_h[s:s + chunk_size] = head8.grad_input(g, h.dtype) if head8 is not None else g @ W
             if grad_W is not None:
                 grad_W += (g.T @ hc).float()
         w = reweight(ce).float() if reweight else w_run                          # [R], no grad
@@ -226,21 +228,24 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h, grad_W = ctx.saved_tensors
         gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
         gW = (grad_W * grad_loss).to(ctx.W_dtype) if grad_W is not None else None
-        return gh, gW, None, None, None, None
+        return gh, gW, None, None, None, None, None
 
 
 def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=None, reweight=None) -> LossParts:
-    """hidden [M, H], lm_head_weight [V, H], labels [M], weights [M]. Rows with weight 0 never reach the lm_head.
-    chunk_size=0: the plain unchunked reference (full [rows, V] logits). rows: the indices of weights > 0 when the
-    caller planned them on the CPU (finding them here on a GPU is a device-to-host sync). reweight: None, or
+    """hidden [M, H], lm_head_weight [V, H] (or a model.fp8.HeadFP8 around it: HEAD_FP8, the chunked path's two GEMMs
+    in FP8; the unchunked reference uses its bf16 weight), labels [M], weights [M]. Rows with weight 0 never reach
+    the lm_head. chunk_size=0: the plain unchunked reference (full [rows, V] logits). rows: the indices of weights > 0
+    when the caller planned them on the CPU (finding them here on a GPU is a device-to-host sync). reweight: None, or
     CE [R] (detached, of the rows) -> the weights [R] that replace weights[rows] (dpace_reweight)."""
+    head8 = lm_head_weight if isinstance(lm_head_weight, HeadFP8) else None
+    lm_head_weight = head8.weight if head8 is not None else lm_head_weight
     if rows is None:
         rows = (weights > 0).nonzero().squeeze(1)                                # [R]
     h, y, w = hidden[rows], labels[rows], weights[rows]
     if chunk_size:
         if not torch.is_grad_enabled():   # eval: the Function would otherwise compute gradients nobody reads
             h, lm_head_weight = h.detach(), lm_head_weight.detach()
-        loss_sum, ok, ce, weight_sum = _ChunkedLinearCE.apply(h, lm_head_weight, y, w, chunk_size, reweight)
+        loss_sum, ok, ce, weight_sum = _ChunkedLinearCE.apply(h, lm_head_weight, y, w, chunk_size, reweight, head8)
     else:
         logits = (h @ lm_head_weight.T).float()                                  # [R, V]
         ce_grad = F.cross_entropy(logits, y, reduction="none")                   # [R]

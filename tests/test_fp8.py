@@ -26,9 +26,10 @@ def test_fp8_needs_an_sm89_gpu(monkeypatch):
 
 def test_trainer_refuses_fp8_on_a_cpu_before_loading_anything(tmp_path):
     target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
-    r = run(1, base_args(target, data, tmp_path / "out", TARGET_FP8=True, DRAFTER_FP8=True))
+    r = run(1, base_args(target, data, tmp_path / "out", TARGET_FP8=True, DRAFTER_FP8=True, HEAD_FP8=True))
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "error: TARGET_FP8 needs an SM89+ GPU" in r.stderr and "DRAFTER_FP8 needs an SM89+ GPU" in r.stderr
+    assert "HEAD_FP8 needs an SM89+ GPU" in r.stderr
     assert "Traceback" not in r.stderr and "load target" not in r.stdout
     assert not (tmp_path / "out").exists(), "nothing written"
 
@@ -129,3 +130,91 @@ def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_q
     (l0, g0), (l1, g1) = grads
     rel = ((g1 - g0).norm() / g0.norm()).item()
     assert l1 == pytest.approx(l0.item(), rel=0.02) and 0 < rel < 0.15, (l0, l1, rel)
+
+
+# --- HEAD_FP8 ---------------------------------------------------------------------------------------------------------
+
+def head_case(V=512, H=64, M=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = (torch.randn(V, H, generator=g) * 0.05).to(torch.bfloat16)
+    h = (torch.randn(M, H, generator=g) * torch.rand(M, 1, generator=g) * 6).to(torch.bfloat16)
+    return W, h, torch.randint(0, V, (M,), generator=g), torch.rand(M, generator=g)
+
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= fp8.MIN_CAPABILITY
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not FP8_GPU, reason="needs an SM89+ GPU (the FP8 GEMM kernels)"))])
+def test_head_fp8_gemms_against_their_dequantised_operands(device):
+    """HeadFP8's two GEMMs (torch._scaled_mm, per-row scales) against the same e4m3 operands multiplied back by
+    their scales and multiplied in fp32: equal up to the bf16 output's rounding. Its stored weights are W within
+    one e4m3 step, per vocabulary row (logits) and per hidden unit (input gradient). On a GPU: cuBLAS's kernels."""
+    W, h, _, _ = (t.to(device) for t in head_case())
+    head = fp8.HeadFP8(W)
+    rows = head.rows.float() * head.row_scale                                          # [V, H]
+    cols = (head.cols.float() * head.col_scale.t()).t()                                # [V, H]
+    for deq in (rows, cols):
+        torch.testing.assert_close(deq, W.float(), rtol=2 ** -3, atol=1e-6)
+    q, s = fp8.quantize_rows(h)
+    want = (q.float() * s) @ rows.T
+    torch.testing.assert_close(head.logits(h).float(), want, rtol=2 ** -7, atol=1e-2)
+    g = torch.randn(h.shape[0], W.shape[0], device=device).to(torch.bfloat16)
+    qg, sg = fp8.quantize_rows(g.clone())
+    want = (qg.float() * sg) @ cols
+    got = head.grad_input(g.clone(), torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+
+
+def test_quantize_rows_maps_each_rows_amax_to_e4m3s_largest_and_keeps_zero_rows():
+    x = torch.tensor([[1.0, -4.0, 2.0], [0.0, 0.0, 0.0], [1e-30, 3e-30, -2e-30]])
+    q, s = fp8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 1)
+    assert q.float().abs().amax(1).tolist() == [448.0, 0.0, 448.0]
+    torch.testing.assert_close(q.float() * s, x, rtol=2 ** -3, atol=0)
+
+
+@pytest.mark.parametrize("dpace", [False, True])
+def test_head_fp8_loss_and_gradient_near_bf16(dpace):
+    """weighted_ce through HeadFP8 against the same loss through the bf16 lm_head (the chunked CE, and the unchunked
+    reference, which a HeadFP8 sends to its bf16 weight): the loss within 1%, the gradient within ~5% but not equal
+    (the FP8 GEMMs ran), argmax agreeing on nearly every row; with D-PACE's reweighting too."""
+    from model.objective import dpace_reweight, weighted_ce
+    W, h, y, w = head_case()
+    head = fp8.HeadFP8(W)
+    rows = torch.arange(len(y))
+    out = []
+    for lm in (W, head, W):
+        x = h.clone().requires_grad_()
+        rw = dpace_reweight(w, rows, 4, 0.3) if dpace else None
+        parts = weighted_ce(x, lm, y, w, chunk_size=32 if lm is head or not out else 0, rows=rows, reweight=rw)
+        parts.loss_sum.backward()
+        out.append((parts.loss_sum.item(), x.grad.float(), parts.correct))
+    (l_ref, g_ref, c_ref), (l8, g8, c8), (l_full, g_full, _) = out
+    assert l8 == pytest.approx(l_ref, rel=1e-2) and l_full == pytest.approx(l_ref, rel=1e-3)
+    rel = ((g8 - g_ref).norm() / g_ref.norm()).item()
+    assert 1e-3 < rel < 0.06, rel
+    assert (c8 == c_ref).float().mean() > 0.95
+
+
+def test_head_fp8_refuses_a_trainable_lm_head_and_odd_shapes():
+    from model.objective import weighted_ce
+    W, h, y, w = head_case()
+    head = fp8.HeadFP8(W)
+    head.weight = W.clone().requires_grad_()
+    with pytest.raises(AssertionError, match="HEAD_FP8 quantises a frozen lm_head"):
+        weighted_ce(h.clone().requires_grad_(), head, y, w, chunk_size=32)
+    with pytest.raises(AssertionError, match=r"multiples of 16, got \[500, 64\]"):
+        fp8.HeadFP8(W[:500])
+
+
+def test_trainer_refuses_head_fp8_for_a_vocabulary_not_a_multiple_of_16(tmp_path):
+    import json
+    target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["vocab_size"] = cfg["vocab_size"] + 1
+    (target / "config.json").write_text(json.dumps(cfg))
+    r = run(1, base_args(target, data, tmp_path / "out", HEAD_FP8=True))
+    assert r.returncode == 1 and f"[{cfg['vocab_size']}, {cfg['hidden_size']}] in multiples of 16" in r.stderr, \
+        r.stderr[-2000:]

@@ -268,6 +268,20 @@ def test_fsdp_shards_the_drafter_state_per_rank():
     assert "accumulated grads" not in terms("fsdp", 8)[0]
 
 
+def test_head_fp8_adds_its_two_e4m3_copies_and_a_chunks_quantised_gradient():
+    hf = bd.hf_config("qwen3-8b")
+    s = planner.model_sizes(hf)
+
+    def role(**kw):
+        e = planner.estimate(bench_cfg(MAX_ANCHORS=2048, **kw), hf, 2)
+        return e["roles"]["drafter"], e["derived"]
+    base, d = role()
+    head, _ = role(HEAD_FP8=True)
+    got = {t["short"]: t["bytes"] for t in head["terms"]}
+    assert got["head fp8"] == 2 * s.V * s.H and got["CE chunk fp8"] == d["ce_rows"] * s.V
+    assert head["total"] - base["total"] == 2 * s.V * s.H + d["ce_rows"] * s.V    # the peak is in the forward
+
+
 def test_check_fits_recommends_fsdp_when_ddp_cannot_fit():
     hf, cfg = qwen_72b_class(), bench_cfg(TOKEN_BUDGET=16384, TARGET_RANKS=8)
     h100, h200 = 80 * 10 ** 9, 141 * 10 ** 9
