@@ -236,7 +236,8 @@ def check_config(world: int) -> None:
     if not (tgt / "config.json").exists():
         errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
     else:
-        arch = json.loads((tgt / "config.json").read_text()).get("architectures") or []
+        tcfg = json.loads((tgt / "config.json").read_text())
+        arch = tcfg.get("architectures") or []
         if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
             errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
                         f"*ForCausalLM target")
@@ -244,8 +245,7 @@ def check_config(world: int) -> None:
             errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
                         f"download the model's weight files into it")
         if HEAD_FP8:
-            tc = json.loads((tgt / "config.json").read_text())
-            tc = tc.get("text_config", tc)
+            tc = tcfg.get("text_config", tcfg)
             V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
             if V % 16 or H % 16:
                 errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "

@@ -155,9 +155,9 @@ class HeadFP8:
         self.row_scale_t = self.row_scale.t().contiguous()                                      # [1, V]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [c, H] -> h @ W.T [c, V] in h's dtype."""
+        """h [c, H] -> h @ W.T [c, V] in bf16 (what the bf16 GEMM gives under autocast, whatever h's dtype)."""
         q, s = quantize_rows(h)
-        return _scaled_mm(q, s, self.rows, self.row_scale_t, h.dtype)
+        return _scaled_mm(q, s, self.rows, self.row_scale_t, torch.bfloat16)
 
     def grad_input(self, g: torch.Tensor, out_dtype) -> torch.Tensor:
         """g [c, V] dL/dlogits (overwritten: it is quantised in place) -> g @ W [c, H] in out_dtype."""
