@@ -250,6 +250,9 @@ def check_config(world: int) -> None:
             if V % 16 or H % 16:
                 errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
                             f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
+    if HEAD_FP8 and not CE_CHUNK:   # the unchunked loss is the bf16 reference: HEAD_FP8 would do nothing there
+        errs.append("HEAD_FP8 runs in the chunked loss only, and CE_CHUNK=0 is the unchunked reference: set "
+                    "--CE_CHUNK=4096 or --HEAD_FP8=False")
     if FLEX_OPTIONS:
         try:
             if not isinstance(json.loads(FLEX_OPTIONS), dict):

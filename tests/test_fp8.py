@@ -218,3 +218,9 @@ def test_trainer_refuses_head_fp8_for_a_vocabulary_not_a_multiple_of_16(tmp_path
     r = run(1, base_args(target, data, tmp_path / "out", HEAD_FP8=True))
     assert r.returncode == 1 and f"[{cfg['vocab_size']}, {cfg['hidden_size']}] in multiples of 16" in r.stderr, \
         r.stderr[-2000:]
+
+
+def test_trainer_refuses_head_fp8_with_the_unchunked_loss(tmp_path):
+    target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
+    r = run(1, base_args(target, data, tmp_path / "out", HEAD_FP8=True, CE_CHUNK=0))
+    assert r.returncode == 1 and "HEAD_FP8 runs in the chunked loss only" in r.stderr, r.stderr[-2000:]
