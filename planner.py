@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from model.drafter import default_layer_ids
 
 GiB = 2 ** 30
-BF16, FP32 = 2, 4
+FP8, BF16, FP32 = 1, 2, 4
 
 # --- calibration constants ------------------------------------------------------------------------------------------
 # target role: no-grad forward of layers 0..last tap (HF decoder, bf16)
@@ -107,6 +107,13 @@ def target_layer_params(s: Sizes) -> int:
     return attn + mlp + 2 * s.H + (2 * s.D if s.qk_norm else 0)
 
 
+def target_layer_linear(s: Sizes) -> tuple[int, int]:
+    """(weights, output channels) of one target decoder layer's Linear layers: what TARGET_FP8 stores in e4m3, one
+    fp32 scale per output channel. Biases and norms stay bf16."""
+    weights = s.H * s.qd + 2 * s.H * s.kvd + s.qd * s.H + 3 * s.H * s.I
+    return weights, s.qd + 2 * s.kvd + s.H + 2 * s.I + s.H
+
+
 def drafter_linear_params(s: Sizes, L: int, K: int) -> int:
     """Linear weights of the drafter (what autocast copies to bf16): L layers + fc."""
     return L * (s.H * s.qd + 2 * s.H * s.kvd + s.qd * s.H + 3 * s.H * s.I) + K * s.H * s.H
@@ -146,13 +153,23 @@ def _target_terms(s, d, prefix=""):
                   f"layer's all-gather (prefetch), bf16", "all-gathered",
                   (max(layer, s.V * s.H) + TGT_FSDP_PREFETCH * layer) * BF16, (fwd,)),
         ]
+    elif d["target_fp8"]:   # model.fp8.quantize_target: layers 0..last's Linear weights in e4m3 + fp32 row scales
+        lin, lin_out = target_layer_linear(s)
+        fp8_bytes = (last + 1) * (lin * FP8 + lin_out * FP32)
+        terms = [
+            _term(f"target weights: layers 0..{last}'s Linear weights in e4m3 with per-row fp32 scales "
+                  f"(TARGET_FP8)", "target fp8", fp8_bytes, "static"),
+            _term(f"target weights: embedding + layers 0..{last}'s norms (bf16)", "target weights",
+                  (used - (last + 1) * lin) * BF16, "static"),
+        ]
     else:
         terms = [
             _term(f"target weights: embedding + layers 0..{last} (bf16)", "target weights", used * BF16, "static"),
-            _term(f"target weights the features never use: layers {last + 1}..{s.n_layers - 1}, final norm, lm_head "
-                  f"(model.target.Target keeps the whole model)", "unused target weights",
-                  unused * BF16 * TGT_KEEPS_UNUSED, "static"),
         ]
+    if N == 1:
+        terms.append(_term(f"target weights the features never use: layers {last + 1}..{s.n_layers - 1}, final norm, "
+                           f"lm_head (model.target.Target keeps the whole model, in bf16)", "unused target weights",
+                           unused * BF16 * TGT_KEEPS_UNUSED, "static"))
     terms += [
         _term(f"forward buffers: {TGT_FWD_H:g} x [{T}, {s.H}] + {TGT_FWD_I:g} x [{T}, {s.I}] bf16 (TOKEN_BUDGET)",
               "forward", T * (TGT_FWD_H * s.H + TGT_FWD_I * s.I) * BF16, (fwd,), "TOKEN_BUDGET"),
@@ -283,7 +300,7 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
              # unchunked fp32 reference)
              fused_ce=dtype != "float32" and bool(cfg["CE_CHUNK"]),
              inflight=0 if colocated else cfg["SEND_DEPTH"] + 1,
-             shards=1 if colocated else cfg.get("TARGET_SHARDS", 1),
+             shards=1 if colocated else cfg.get("TARGET_SHARDS", 1), target_fp8=bool(cfg.get("TARGET_FP8")),
              # one process: the feeder's queue holds Q_HS prepared micro-batches too, full when the target outpaces
              # the drafter (many anchors per token)
              queue_items=cfg["Q_HS"] + DFT_QUEUE_EXTRA)

@@ -282,6 +282,29 @@ def test_head_fp8_adds_its_two_e4m3_copies_and_a_chunks_quantised_gradient():
     assert head["total"] - base["total"] == 2 * s.V * s.H + d["ce_rows"] * s.V    # the peak is in the forward
 
 
+def test_target_fp8_stores_the_tapped_layers_linear_weights_in_e4m3():
+    """TARGET_FP8's saving against the one-process trainer's measured peaks on an H200 (bench/fp8_h200.py's trainer
+    part, 2026-12-03, BENCHMARKS.md section 2): bf16 57.16 GiB, TARGET_FP8 51.06 GiB, so 6.10 GiB less; the estimate
+    must save the same within 5%, and keep the embedding and the untapped layers in bf16."""
+    hf = bd.hf_config("qwen3-8b")
+    s = planner.model_sizes(hf)
+
+    def role(**kw):
+        cfg = bench_cfg(MAX_LEN=3072, TOKEN_BUDGET=12288, MAX_ANCHORS=2048, COMPILE_TARGET=True,
+                        COMPILE_DRAFTER="layers", **kw)
+        e = planner.estimate(cfg, hf, 1)
+        return {t["short"]: t["bytes"] for t in e["roles"]["target+drafter"]["terms"]}, e
+    bf16, e = role()
+    fp8, e8 = role(TARGET_FP8=True)
+    saved = e["roles"]["target+drafter"]["total"] - e8["roles"]["target+drafter"]["total"]
+    assert saved / GiB == pytest.approx(57.16 - 51.06, rel=0.05), saved / GiB
+    n = e["derived"]["last_layer"] + 1
+    lin, _ = planner.target_layer_linear(s)
+    assert bf16["target weights"] - fp8["target weights"] == n * lin * 2     # the Linear weights leave the bf16 term
+    assert n * lin <= fp8["target fp8"] < n * lin * 1.01                      # one byte each, plus the row scales
+    assert fp8["unused target weights"] == bf16["unused target weights"] > 0
+
+
 def test_check_fits_recommends_fsdp_when_ddp_cannot_fit():
     hf, cfg = qwen_72b_class(), bench_cfg(TOKEN_BUDGET=16384, TARGET_RANKS=8)
     h100, h200 = 80 * 10 ** 9, 141 * 10 ** 9
