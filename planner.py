@@ -41,6 +41,7 @@ DFT_ROPE_PER_D = 8.0       # per [context ; block] row, once, x head_dim: fp32 c
 DFT_CE_ROW_PER_H = 8.0     # per supervised row, x H: gathered fp32 hidden + saved fp32 grad_h of the chunked CE
 DFT_CE_FP32_COPIES = 2.0   # [CE_CHUNK, vocab] fp32 buffers alive at once inside a CE chunk (logits + logsumexp temp)
 DFT_CE_FUSED_COPIES = 1.0  # the same on GPU in bf16: the Triton epilogue writes the grad over the bf16 logits
+ONE_PROCESS_AHEAD = 1      # pipe.TargetAhead's default `ahead` (the one process's compiled target forward)
 DFT_QUEUE_EXTRA = 2        # received micro-batches alive beyond Q_HS: one training, one prepared and waiting to enter
 DFT_DDP_BUCKETS = 1.0      # fp32 gradient copies DDP keeps in its buckets with >= 2 drafter ranks
 DFT_FSDP_LAYERS = 2        # DRAFTER_SHARDING=fsdp: unsharded decoder layers alive at once (the running one and the
@@ -204,6 +205,12 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     once = T * DFT_CTX_PER_H * s.H + (T + M) * DFT_ROPE_PER_D * s.D + M * DFT_OUT_PER_H * s.H
     item = d["feature_bytes"] + (0 if d["flex"] else M * (T + M))     # the SDPA path also holds a dense bool mask
     copies = 0 if d["fp32"] else drafter_linear_params(s, L, K) * BF16
+    if cfg.get("DRAFTER_FP8") and not d["fp32"]:
+        # the converted layers' weights are cast to e4m3 instead (model.fp8.convert_drafter; fc stays bf16): counted
+        # at 1 byte per weight, 0.90 GiB less at Qwen3-8B shapes with 5 layers, where the H200 measured 1.11-1.14
+        # GiB less with rowwise_with_gw_hp; rowwise and tensorwise also save the activations in e4m3 (measured
+        # 7.0 / 7.7 GiB less), which this leaves out: an overestimate for them
+        copies -= (drafter_linear_params(s, L, K) - drafter_linear_params(s, 0, K)) * (BF16 - FP8)
     terms = [
         _term(f"drafter weights fp32: {L} layers + fc + norms ({P / 1e9:.3f}B params){of_n}", "drafter weights",
               P * FP32 * share, "static"),
@@ -303,7 +310,9 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
              shards=1 if colocated else cfg.get("TARGET_SHARDS", 1), target_fp8=bool(cfg.get("TARGET_FP8")),
              # one process: the feeder's queue holds Q_HS prepared micro-batches too, full when the target outpaces
              # the drafter (many anchors per token)
-             queue_items=cfg["Q_HS"] + DFT_QUEUE_EXTRA)
+             # one process with COMPILE_TARGET: pipe.TargetAhead hands the prepare thread at most AHEAD + 1 of them
+             queue_items=(ONE_PROCESS_AHEAD + 1 if colocated and cfg.get("COMPILE_TARGET") else cfg["Q_HS"])
+             + DFT_QUEUE_EXTRA)
     if colocated:
         roles = {"target+drafter": _role(_target_terms(s, d, "target ")
                                          + _drafter_terms(s, d, cfg, "drafter ", frozen_shared=True))}

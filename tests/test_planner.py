@@ -364,6 +364,8 @@ def test_format_plan():
 
 # Peaks measured on H200s with a random Qwen3-8B (torch.cuda.max_memory_allocated; BENCHMARKS.md): what ran, GPUs
 # in the estimate, role, the config beyond bench_cfg (4 x 3072 tokens, B=16, L=5), GiB.
+DRAFTER_2048 = dict(COMPILE_DRAFTER="layers", MAX_ANCHORS=2048)
+ONE_COMPILED = dict(DRAFTER_2048, TOKEN_BUDGET=12288, COMPILE_TARGET=True)
 REFERENCE_X2 = dict(TOKEN_BUDGET=49152, BLOCK_SIZE=32, MAX_ANCHORS=1024, GAMMA=10.0, GRAD_ACCUM=4)
 MEASURED = [
     ("bench target, compiled layers", 2, "target", dict(COMPILE_TARGET=True), 18.01),
@@ -372,6 +374,17 @@ MEASURED = [
      48.46),
     ("one-process trainer, compiled drafter, 2048 blocks", 1, "target+drafter",
      dict(COMPILE_DRAFTER="layers", MAX_ANCHORS=2048), 58.57),
+    # 2026-12-03 (bench/results/h200_s15, h200_s17): the one process with COMPILE_TARGET (pipe.TargetAhead) and the
+    # FP8 switches (DRAFTER_FP8 in rowwise_with_gw_hp), and the bench drafter with DRAFTER_FP8 and HEAD_FP8
+    ("one process, COMPILE_TARGET, 2048 blocks", 1, "target+drafter", ONE_COMPILED, 57.16),
+    ("one process, COMPILE_TARGET, DRAFTER_FP8", 1, "target+drafter", dict(ONE_COMPILED, DRAFTER_FP8=True), 56.05),
+    ("one process, COMPILE_TARGET, TARGET_FP8", 1, "target+drafter", dict(ONE_COMPILED, TARGET_FP8=True), 51.06),
+    ("one process, COMPILE_TARGET, all three FP8 switches", 1, "target+drafter",
+     dict(ONE_COMPILED, TARGET_FP8=True, DRAFTER_FP8=True, HEAD_FP8=True), 51.07),
+    ("bench drafter, 2048 blocks, DRAFTER_FP8", 2, "drafter", dict(DRAFTER_2048, DRAFTER_FP8=True), 47.32),
+    ("bench drafter, 2048 blocks, HEAD_FP8", 2, "drafter", dict(DRAFTER_2048, HEAD_FP8=True), 49.61),
+    ("bench drafter, 2048 blocks, DRAFTER_FP8 + HEAD_FP8", 2, "drafter",
+     dict(DRAFTER_2048, DRAFTER_FP8=True, HEAD_FP8=True), 48.48),
     ("trainer 1 + 1, issue 5's reference config, eager: target rank", 2, "target", REFERENCE_X2, 27.29),
     ("trainer 1 + 1, issue 5's reference config, eager: drafter rank", 2, "drafter", REFERENCE_X2, 81.09),
 ]
