@@ -27,7 +27,9 @@ HEAD_FP8: the loss's two GEMMs with the frozen lm_head (model.objective's chunke
 input gradient dL/dh = dL/dlogits @ W) in float8 through torch._scaled_mm, per-row scales: `HeadFP8` quantises W
 once, per vocabulary row for the logits and per hidden unit for the gradient; each chunk's h and dL/dlogits are
 quantised per row as they come. At Qwen3-8B shapes these two GEMMs are ~77 of the drafter step's 289 TFLOP at
-2,048 blocks per 4 x 3072 tokens. The price: e4m3 keeps ~2^-4 relative precision per element, and the softmax's
+2,048 blocks per 4 x 3072 tokens. The CE epilogue hands over dL/dlogits already divided by its row scales
+(model/ce_kernel.py: a row's largest entry is known before the pass that writes it), so that operand costs one
+cast. The price: e4m3 keeps ~2^-4 relative precision per element, and the softmax's
 smallest probabilities in a row (below ~4e-6 of its largest gradient entry) round to zero in dL/dlogits.
 
 All three need FP8 tensor cores: an SM89+ GPU (Ada, Hopper or newer). check() says so before any model loads.
@@ -159,7 +161,8 @@ class HeadFP8:
         q, s = quantize_rows(h)
         return _scaled_mm(q, s, self.rows, self.row_scale_t, torch.bfloat16)
 
-    def grad_input(self, g: torch.Tensor, out_dtype) -> torch.Tensor:
-        """g [c, V] dL/dlogits (overwritten: it is quantised in place) -> g @ W [c, H] in out_dtype."""
-        q, s = quantize_rows(g, inplace=True)
+    def grad_input(self, g: torch.Tensor, out_dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """g [c, V] dL/dlogits (overwritten: it is quantised in place) -> g @ W [c, H] in out_dtype. scale [c, 1]:
+        g is already divided by its per-row scales and within +-448 (the CE epilogue's fp8_rows), so it is cast."""
+        q, s = (g.to(F8), scale) if scale is not None else quantize_rows(g, inplace=True)
         return _scaled_mm(q, s, self.cols, self.col_scale, out_dtype)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model import ce_kernel
+from model import ce_kernel, fp8
 from model.attention import AttnSpec, make_attn_spec, to_device
 from model.fp8 import HeadFP8
 
@@ -153,11 +153,12 @@ class LossParts:
     ce: torch.Tensor           # [R] fp32 CE of each row in `rows` (no grad)
 
 
-def _eager_epilogue(logits, y, w, need_grad):
+def _eager_epilogue(logits, y, w, need_grad, fp8_rows=False):
     """One chunk's CE from its logits: logits [c, V] as the matmul made them (bf16 under autocast), y [c] long,
     w [c] fp32 -> (CE_r [c] fp32, argmax == y [c], dL/dlogits of sum_r w_r CE_r [c, V] in the logits' dtype, None
     if not needed). In place on one fp32 [c, V] buffer (fewest temporaries). On GPU model.ce_kernel does the same
-    in one kernel."""
+    in one kernel. fp8_rows (HEAD_FP8): the gradient as (dL/dlogits / s, clamped to +-448; s [c, 1] fp32, each
+    row's e4m3 scale, its largest entry w (1 - p_y) / 448: model/ce_kernel.py says why)."""
     x = logits.float()                                                           # [c, V] fp32, this chunk only
     lse = torch.logsumexp(x, dim=-1)                                             # [c]
     ce = lse - x.gather(1, y[:, None]).squeeze(1)                                # [c]
@@ -165,8 +166,14 @@ def _eager_epilogue(logits, y, w, need_grad):
     if not need_grad:
         return ce, correct, None
     g = x.sub_(lse[:, None]).exp_()                                              # softmax in place
-    g[torch.arange(len(y), device=g.device), y] -= 1.0
-    return ce, correct, g.mul_(w[:, None]).to(logits.dtype)                     # dL/dlogits [c, V]
+    at_y = torch.arange(len(y), device=g.device), y
+    if fp8_rows:
+        scale = (w * (1.0 - g[at_y]) / fp8.E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)[:, None]  # [c, 1]
+    g[at_y] -= 1.0
+    g.mul_(w[:, None])
+    if fp8_rows:
+        return ce, correct, (g.div_(scale).clamp_(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(logits.dtype), scale)
+    return ce, correct, g.to(logits.dtype)                                       # dL/dlogits [c, V]
 
 
 CE_KERNELS = ("auto", "eager")
@@ -208,11 +215,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_size):
             hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w_run[s:s + chunk_size]
             logits = head8.logits(hc) if head8 is not None else hc @ W.T       # [c, V]
-            ce[s:s + chunk_size], correct[s:s + chunk_size], g = _pick_epilogue(logits)(logits, yc, wc, need_grad)
+            ce[s:s + chunk_size], correct[s:s + chunk_size], g = _pick_epilogue(logits)(
+                logits, yc, wc, need_grad, fp8_rows=head8 is not None)
             if g is None:
                 continue
+            if head8 is not None:   # g: (dL/dlogits / its row scales, the scales); grad_W is None (asserted)
+                grad_h[s:s + chunk_size] = head8.grad_input(g[0], h.dtype, scale=g[1])
+                continue
             if grad_h is not None:
-                grad_h[s:s + chunk_size] = head8.grad_input(g, h.dtype) if head8 is not None else g @ W
+                grad_h[s:s + chunk_size] = g @ W
             if grad_W is not None:
                 grad_W += (g.T @ hc).float()
         w = reweight(ce).float() if reweight else w_run                          # [R], no grad

@@ -1,6 +1,7 @@
 """The Triton CE epilogue (model/ce_kernel.py) against the eager epilogue: per-row CE, argmax == label (ties go to
 the first index, as torch.argmax), and dL/dlogits; the whole chunked CE with both, exp-decay and D-PACE weights. On CPU through Triton's interpreter (a subprocess with
 TRITON_INTERPRET=1, which Triton reads at import), on a GPU compiled, at the real vocabulary size."""
+import functools
 import os
 import subprocess
 import sys
@@ -35,6 +36,58 @@ def check_epilogue(device, dtype, c, V, block):
             torch.testing.assert_close(got[2].float(), ref[2].float(), **tol)
         else:
             assert got[2] is None
+    # HEAD_FP8's fp8_rows: each row's scale is its gradient's largest |entry| / 448 (the label's entry, known before
+    # the pass that writes the row), the written rows are the gradient divided by it; kernel == eager
+    exact = objective._eager_epilogue(x.float().clone(), y, w, True)[2]                        # fp32 dL/dlogits [c, V]
+    want_scale = (exact.abs().amax(1, keepdim=True) / 448).clamp(min=torch.finfo(torch.float32).tiny)
+    for fn in (objective._eager_epilogue, functools.partial(ce_kernel.ce_epilogue, block=block)):
+        ce, ok, (scaled, scale) = fn(x.clone(), y, w, True, fp8_rows=True)
+        torch.testing.assert_close(ce, ref[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(ok, ref[1]) and scaled.dtype == dtype and scale.shape == (c, 1)
+        torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+        assert scaled.float().abs().max() <= 448
+        assert (scaled.float().abs().amax(1) > 440).sum() == (w > 0).sum(), "each weighted row reaches e4m3's top"
+        # bf16: one ulp (the interpreter rounds some values toward zero, as the plain gradient test allows)
+        tol = dict(rtol=1e-5, atol=1e-3) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+        torch.testing.assert_close(scaled.float(), exact / want_scale, **tol)
+
+
+def check_head_fp8_ce(device):
+    """The chunked CE through a HeadFP8 with the kernel == with the eager epilogue (both hand the gradient over
+    divided by its row scales), and near the bf16 lm_head's."""
+    from model import fp8, objective
+    torch.manual_seed(2)
+    M, H, V = 44, 16, 304
+    hidden = torch.randn(M, H).to(torch.bfloat16).to(device)
+    W = (torch.randn(V, H) * 0.5).to(torch.bfloat16).to(device)
+    labels, weights = torch.randint(0, V, (M,)).to(device), (torch.rand(M) * (torch.rand(M) > 0.3)).to(device)
+
+    def run(kind, lm):
+        objective.set_ce_kernel(kind)
+        h = hidden.clone().requires_grad_()
+        p = objective.weighted_ce(h, lm, labels, weights, chunk_size=16)
+        p.loss_sum.backward()
+        return p.loss_sum.detach(), h.grad.float()
+    head = fp8.HeadFP8(W)
+    try:
+        ref, got, bf16 = run("eager", head), run("auto", head), run("auto", W)
+    finally:
+        objective.set_ce_kernel("auto")
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
+    # an entry of dL/dlogits one bf16 ulp apart can round to the neighbouring e4m3 value: compare the whole gradient
+    assert ((got[1] - ref[1]).norm() / ref[1].norm()).item() < 1e-2
+    assert got[0].item() == pytest.approx(bf16[0].item(), rel=2e-2)
+    rel = ((got[1] - bf16[1]).norm() / bf16[1].norm()).item()
+    assert 1e-3 < rel < 0.1, rel
+
+
+def cpu_scaled_mm_rowwise():
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False
 
 
 def check_weighted_ce(device, dtype):
@@ -72,6 +125,10 @@ def interpreted():
     for dtype in (torch.float32, torch.bfloat16):
         check_epilogue("cpu", dtype, c=6, V=301, block=128)     # the last block of each row is partial
         check_weighted_ce("cpu", dtype)
+    if cpu_scaled_mm_rowwise():   # torch 2.13's CPU build has per-row scales, 2.11's not
+        check_head_fp8_ce("cpu")
+    else:
+        print("head fp8: this torch build has no CPU torch._scaled_mm with per-row scales, not checked")
     print("ok")
 
 
@@ -86,6 +143,8 @@ def test_kernel_matches_eager_cuda():
     check_epilogue("cuda", torch.bfloat16, c=64, V=151936, block=2048)
     check_epilogue("cuda", torch.float32, c=8, V=1000, block=256)
     check_weighted_ce("cuda", torch.bfloat16)
+    if torch.cuda.get_device_capability() >= (8, 9):
+        check_head_fp8_ce("cuda")
 
 
 if __name__ == "__main__":
