@@ -26,6 +26,8 @@ E4M3_MAX, F32_TINY = 448.0, 1.1754943508222875e-38   # (as model.fp8's: e4m3's l
 
 
 if triton is not None:
+    _E4M3_MAX, _F32_TINY = tl.constexpr(E4M3_MAX), tl.constexpr(F32_TINY)   # a kernel reads constexpr globals only
+
     @triton.jit
     def _ce_rows(x_ptr, y_ptr, w_ptr, lse_ptr, xy_ptr, arg_ptr, scale_ptr, stride, V: tl.constexpr,
                  BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, FP8_ROWS: tl.constexpr):
@@ -57,14 +59,14 @@ if triton is not None:
         if WRITE_GRAD:            # dL/dlogits = w * (softmax - onehot), over the logits
             scale = 1.0
             if FP8_ROWS:          # divided by the row's e4m3 scale: amax |dL/dlogits| = w * (1 - p_y) (see below)
-                scale = tl.maximum(w * (1.0 - tl.exp(xy - lse)) / E4M3_MAX, F32_TINY)
+                scale = tl.maximum(w * (1.0 - tl.exp(xy - lse)) / _E4M3_MAX, _F32_TINY)
                 tl.store(scale_ptr + row, scale)
             for start in range(0, V, BLOCK):
                 idx = start + offs
                 x = tl.load(base + idx, mask=idx < V, other=0.0).to(tl.float32)
                 g = (tl.exp(x - lse) - (idx == y).to(tl.float32)) * w
                 if FP8_ROWS:
-                    g = tl.minimum(tl.maximum(g / scale, -E4M3_MAX), E4M3_MAX)
+                    g = tl.minimum(tl.maximum(g / scale, -_E4M3_MAX), _E4M3_MAX)
                 tl.store(base + idx, g.to(x_ptr.dtype.element_ty), mask=idx < V)
 
 

@@ -132,6 +132,18 @@ def interpreted():
     print("ok")
 
 
+def test_the_kernel_reads_only_constexpr_globals():
+    """Compiled Triton refuses a kernel that reads a plain Python global (NameError at its first launch on a GPU),
+    which the CPU interpreter runs without complaint: every global name the kernel uses must be a module (tl,
+    triton) or a tl.constexpr."""
+    import types
+    from model import ce_kernel
+    fn = ce_kernel._ce_rows.fn
+    bad = [n for n in fn.__code__.co_names if n in fn.__globals__
+           and not isinstance(fn.__globals__[n], (types.ModuleType, triton.language.constexpr))]
+    assert not bad, f"the kernel reads non-constexpr globals {bad}: make them tl.constexpr"
+
+
 def test_kernel_matches_eager_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
