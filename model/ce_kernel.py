@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from model.fp8 import E4M3_MAX
+
 try:
     import triton
     import triton.language as tl
@@ -22,11 +24,11 @@ except ImportError:          # CPU-only installs without triton: the eager epilo
     triton = None
 
 BLOCK, NUM_WARPS = 2048, 4   # vocabulary columns per loop iteration (one row per program), warps per program
-E4M3_MAX, F32_TINY = 448.0, 1.1754943508222875e-38   # (as model.fp8's: e4m3's largest; the smallest normal fp32)
 
 
 if triton is not None:
-    _E4M3_MAX, _F32_TINY = tl.constexpr(E4M3_MAX), tl.constexpr(F32_TINY)   # a kernel reads constexpr globals only
+    # a kernel reads constexpr globals only (compiled Triton refuses plain floats; the interpreter does not)
+    _E4M3_MAX, _F32_TINY = tl.constexpr(E4M3_MAX), tl.constexpr(torch.finfo(torch.float32).tiny)
 
     @triton.jit
     def _ce_rows(x_ptr, y_ptr, w_ptr, lse_ptr, xy_ptr, arg_ptr, scale_ptr, stride, V: tl.constexpr,
@@ -57,7 +59,6 @@ if triton is not None:
         tl.store(xy_ptr + row, xy)
         tl.store(arg_ptr + row, first)
         if WRITE_GRAD:            # dL/dlogits = w * (softmax - onehot), over the logits
-            scale = 1.0
             if FP8_ROWS:          # divided by the row's e4m3 scale: amax |dL/dlogits| = w * (1 - p_y) (see below)
                 scale = tl.maximum(w * (1.0 - tl.exp(xy - lse)) / _E4M3_MAX, _F32_TINY)
                 tl.store(scale_ptr + row, scale)

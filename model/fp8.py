@@ -25,11 +25,10 @@ Use it with COMPILE_DRAFTER=layers: eager, the per-row scale and cast of every G
 
 HEAD_FP8: the loss's two GEMMs with the frozen lm_head (model.objective's chunked CE: logits = h @ W.T, and the
 input gradient dL/dh = dL/dlogits @ W) in float8 through torch._scaled_mm, per-row scales: `HeadFP8` quantises W
-once, per vocabulary row for the logits and per hidden unit for the gradient; each chunk's h and dL/dlogits are
-quantised per row as they come. At Qwen3-8B shapes these two GEMMs are ~77 of the drafter step's 289 TFLOP at
-2,048 blocks per 4 x 3072 tokens. The CE epilogue hands over dL/dlogits already divided by its row scales
-(model/ce_kernel.py: a row's largest entry is known before the pass that writes it), so that operand costs one
-cast. The price: e4m3 keeps ~2^-4 relative precision per element, and the softmax's
+once, per vocabulary row for the logits and per hidden unit for the gradient; each chunk's h is quantised per row
+as it comes, and its dL/dlogits comes from the CE epilogue already divided by its row scales (model/ce_kernel.py: a
+row's largest entry is known before the pass that writes it), so that operand costs one cast. At Qwen3-8B shapes
+these two GEMMs are ~77 of the drafter step's 289 TFLOP at 2,048 blocks per 4 x 3072 tokens. The price: e4m3 keeps ~2^-4 relative precision per element, and the softmax's
 smallest probabilities in a row (below ~4e-6 of its largest gradient entry) round to zero in dL/dlogits.
 
 All three need FP8 tensor cores: an SM89+ GPU (Ada, Hopper or newer). check() says so before any model loads.
@@ -162,7 +161,8 @@ class HeadFP8:
         return _scaled_mm(q, s, self.rows, self.row_scale_t, torch.bfloat16)
 
     def grad_input(self, g: torch.Tensor, out_dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """g [c, V] dL/dlogits (overwritten: it is quantised in place) -> g @ W [c, H] in out_dtype. scale [c, 1]:
-        g is already divided by its per-row scales and within +-448 (the CE epilogue's fp8_rows), so it is cast."""
+        """g [c, V] dL/dlogits -> g @ W [c, H] in out_dtype. scale [c, 1]: g is already divided by its per-row
+        scales and within +-448 (the CE epilogue's fp8_rows), so it is only cast; without it g is quantised here,
+        in place (overwritten)."""
         q, s = (g.to(F8), scale) if scale is not None else quantize_rows(g, inplace=True)
         return _scaled_mm(q, s, self.cols, self.col_scale, out_dtype)

@@ -70,6 +70,18 @@ def padded(lengths, input_ids):
     return ids, attn
 
 
+def cpu_rowwise_scaled_mm_missing() -> str | None:
+    """Why this torch build's CPU torch._scaled_mm cannot take per-row scales (HeadFP8's GEMMs on a CPU), or None
+    where it can: torch 2.13's CPU build can, 2.11's (the H200 image) has per-tensor scales only."""
+    import torch
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return f"this torch build has no CPU torch._scaled_mm with per-row scales ({str(e)[:120]})"
+    return None
+
+
 def base_args(target, data, out, **kw) -> list[str]:
     cfg = dict(TARGET=target, DATA=data, OUT_DIR=out, MASK_TOKEN_ID=MASK_ID, NUM_DRAFT_LAYERS=1, BLOCK_SIZE=4,
                GAMMA=4.0, MAX_ANCHORS=32, TOKEN_BUDGET=256, MAX_BATCH_SIZE=8, LR=3e-3, WARMUP_RATIO=0.1, EPOCHS=1,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import fp8
-from runs import base_args, make_dataset, make_target, run
+from runs import base_args, cpu_rowwise_scaled_mm_missing, make_dataset, make_target, run
 
 
 def needs_torchao():
@@ -149,15 +149,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not FP8_GPU,
 
 
 def needs_scaled_mm(device):
-    """HeadFP8 on a CPU needs torch._scaled_mm with per-row scales there: torch 2.13's CPU build has it, 2.11's
-    (the H200 image) only per-tensor scales (an internal assert). Skip, with the reason, where it is missing."""
-    if device != "cpu":
-        return
-    a = torch.ones(16, 16).to(fp8.F8)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except RuntimeError as e:
-        pytest.skip(f"this torch build has no CPU torch._scaled_mm with per-row scales ({str(e)[:120]})")
+    """HeadFP8 on a CPU needs torch._scaled_mm with per-row scales there: skip, with the reason, where it is missing."""
+    if device == "cpu" and (why := cpu_rowwise_scaled_mm_missing()):
+        pytest.skip(why)
 
 
 @pytest.mark.parametrize("device", DEVICES)
