@@ -359,3 +359,33 @@ def test_cli_checks_its_input_before_loading_the_target(tmp_path, monkeypatch, b
     assert "mask_token_id 500 is not a row of the target's embedding (vocab_size 128)" in cli(drafter=wrong)
     main(["--target", str(tiny_qwen3_dir), "--drafter", str(ckpt), "--prompts", str(good)])  # a checkpoint folder
     assert loaded[0].drafter == [ckpt / "drafter"]
+
+
+def test_tau_diff_tool(tmp_path, capsys):
+    """tools.tau_diff: the paired difference is the mean of the per-prompt differences, its SE theirs; prompts
+    only one drafter has are left out; a file with one drafter is refused by name."""
+    from tools import tau_diff
+
+    def drafter(name, taus):
+        return {"drafter": name, "tau": sum(taus.values()) / len(taus),
+                "per_prompt": [{"id": k, "tau": v} for k, v in taus.items()]}
+
+    base = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 1.5}
+    other = {"a": 1.1, "b": 2.3, "c": 3.0, "e": 9.0}      # "d" and "e" are not shared
+    tb, to, diff, se, n = tau_diff.paired_diff(tau_diff.per_prompt_tau(drafter("x", base)),
+                                               tau_diff.per_prompt_tau(drafter("y", other)))
+    d = [0.1, 0.3, 0.0]
+    mean = sum(d) / 3
+    assert n == 3 and diff == pytest.approx(mean) and tb == pytest.approx(2.0) and to == pytest.approx(6.4 / 3)
+    assert se == pytest.approx((sum((x - mean) ** 2 for x in d) / 2 / 3) ** 0.5)
+    f = tmp_path / "walk.json"
+    f.write_text(json.dumps({"drafters": [drafter("runs/base", base), drafter("runs/fp8", other)]}))
+    assert tau_diff.main([str(f), "--base", "base"]) == 0
+    out = capsys.readouterr().out
+    assert f"minus base {mean:+.4f} +- {se:.4f}" in out and "over 3 prompts" in out
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(drafter("runs/base", base)))
+    with pytest.raises(SystemExit, match="holds 1 drafter"):
+        tau_diff.main([str(one)])
+    with pytest.raises(SystemExit, match="no drafter path contains 'nope'"):
+        tau_diff.main([str(f), "--base", "nope"])

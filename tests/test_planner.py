@@ -381,6 +381,12 @@ MEASURED = [
     ("one process, COMPILE_TARGET, TARGET_FP8", 1, "target+drafter", dict(ONE_COMPILED, TARGET_FP8=True), 51.06),
     ("one process, COMPILE_TARGET, all three FP8 switches", 1, "target+drafter",
      dict(ONE_COMPILED, TARGET_FP8=True, DRAFTER_FP8=True, HEAD_FP8=True), 51.07),
+    # 2026-12-04 (bench/results/h200_s19): the one process with the two drafter-side switches (bf16 target), and
+    # with TARGET_FP8 + DRAFTER_FP8 (bf16 lm_head GEMMs)
+    ("one process, COMPILE_TARGET, DRAFTER_FP8 + HEAD_FP8", 1, "target+drafter",
+     dict(ONE_COMPILED, DRAFTER_FP8=True, HEAD_FP8=True), 57.18),
+    ("one process, COMPILE_TARGET, TARGET_FP8 + DRAFTER_FP8", 1, "target+drafter",
+     dict(ONE_COMPILED, TARGET_FP8=True, DRAFTER_FP8=True), 49.91),
     ("bench drafter, 2048 blocks, DRAFTER_FP8", 2, "drafter", dict(DRAFTER_2048, DRAFTER_FP8=True), 47.32),
     ("bench drafter, 2048 blocks, HEAD_FP8", 2, "drafter", dict(DRAFTER_2048, HEAD_FP8=True), 49.61),
     ("bench drafter, 2048 blocks, DRAFTER_FP8 + HEAD_FP8", 2, "drafter",
