@@ -98,6 +98,8 @@ COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) |
 COMPILE_TARGET = False      # torch.compile each target decoder layer (one process: run on the main thread, one ahead)
 TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
 DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, DRAFTER_FP8_RECIPE)
+                            # with HEAD_FP8 and COMPILE_DRAFTER=layers: 1.24x the drafter step at Qwen3-8B shapes,
+                            # tau within noise; slower at small hidden sizes (BENCHMARKS.md section 2)
 DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # | rowwise | tensorwise: torchao's recipes (model/fp8.py)
 HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradient) in FP8, per-row scales (SM89+)
 DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
