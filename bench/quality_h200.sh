@@ -254,6 +254,12 @@ part_eval() {
         --drafter "${drafters[@]}" --prompts data/default/eval_self_prompts.jsonl "${lim[@]}" --max-new-tokens "$EVAL_NEW" \
         --dtype float32 --device "$DEV" --skip-long --out "$OUT/eval_walk_self.json" 2>&1 | grep -v "^Loading\|it/s\]" | \
         tail -20 || say "the walk on eval_self_prompts.jsonl failed (rc $?)"
+    # every run against the first, paired by prompt (the SE of the per-prompt differences; seeds add their own)
+    for w in eval_walk eval_walk_self; do
+        if [ -f "$OUT/$w.json" ] && [ ${#drafters[@]} -gt 1 ]; then
+            $PY -m tools.tau_diff "$OUT/$w.json" | tee "$OUT/tau_diff_${w#eval_}.txt" || say "tau_diff on $w.json failed"
+        fi
+    done
     # the best by walk tau: the decode loop on the first prompts (tau must equal the walk's there), fp32 and bf16
     best=$($PY -c "import json,sys; r=json.load(open('$OUT/eval_walk.json')); r=r.get('drafters',[r]); print(max(r,key=lambda x:x['tau'])['drafter'])")
     say "best by walk tau: $best"

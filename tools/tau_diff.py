@@ -7,7 +7,7 @@ tau and its difference from the base drafter (the first, or the one whose path c
 tau is the mean over prompts of each prompt's tau, so the difference is the mean of the per-prompt differences
 and its standard error is theirs (sd / sqrt(n)): pairing by prompt cancels most of the prompt-to-prompt spread (a
 prompt easy for one drafter is easy for the other). That SE is the resolution to read a difference against:
-|diff| < 2 SE is within noise.
+|diff| <= 2 SE is within noise.
 """
 import argparse
 import json
@@ -55,7 +55,7 @@ def main(argv=None):
             continue
         _, to, diff, se, n = paired_diff(b, per_prompt_tau(d))
         print(f"{d['drafter']}: tau {to:.4f}, minus base {diff:+.4f} +- {se:.4f} (paired SE over {n} prompts; "
-              f"{'within' if abs(diff) < 2 * se else 'outside'} 2 SE)")
+              f"{'within' if abs(diff) <= 2 * se else 'outside'} 2 SE)")
     return 0
 
 
