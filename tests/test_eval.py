@@ -1,6 +1,7 @@
 """eval_dflash: the verify/accept/commit loop against plain greedy decoding, oracle and wrong proposers, DDTree, the
 drafter's context KV cache, the context limit, several drafters sharing one reference, --workers, and the CLI on
 SmolLM2."""
+import gzip
 import json
 import re
 
@@ -383,6 +384,10 @@ def test_tau_diff_tool(tmp_path, capsys):
     assert tau_diff.main([str(f), "--base", "base"]) == 0
     out = capsys.readouterr().out
     assert f"minus base {mean:+.4f} +- {se:.4f}" in out and "over 3 prompts" in out
+    gz = tmp_path / "walk.json.gz"                        # the results the repo keeps are gzipped
+    gz.write_bytes(gzip.compress(f.read_bytes()))
+    assert tau_diff.main([str(gz), "--base", "base"]) == 0
+    assert f"minus base {mean:+.4f} +- {se:.4f}" in capsys.readouterr().out
     one = tmp_path / "one.json"
     one.write_text(json.dumps(drafter("runs/base", base)))
     with pytest.raises(SystemExit, match="holds 1 drafter"):

@@ -10,6 +10,7 @@ prompt easy for one drafter is easy for the other). That SE is the resolution to
 |diff| <= 2 SE is within noise.
 """
 import argparse
+import gzip
 import json
 import sys
 
@@ -33,10 +34,11 @@ def paired_diff(base: dict, other: dict) -> tuple:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("result", help="an eval_dflash.py --out JSON with several drafters")
+    ap.add_argument("result", help="an eval_dflash.py --out JSON with several drafters (or that JSON gzipped, .gz)")
     ap.add_argument("--base", default=None, help="a substring of the base drafter's path (default: the first)")
     args = ap.parse_args(argv)
-    r = json.load(open(args.result))
+    with (gzip.open if args.result.endswith(".gz") else open)(args.result, "rt") as fh:   # results are kept gzipped
+        r = json.load(fh)
     drafters = r.get("drafters", [r])
     if len(drafters) < 2:
         raise SystemExit(f"tau_diff: {args.result} holds {len(drafters)} drafter; a difference needs two or more "
