@@ -3,7 +3,7 @@
 # anchors, B=16, 5 layers, taps 1,9,17,25,33) on the GPUs present (1: one process; N: 1 target + N-1 drafters, or
 # TARGET_RANKS), once eager and once with COMPILE_TARGET + COMPILE_DRAFTER=layers. Read the rates off the status
 # lines and OUT_ROOT/{off,layers}/metrics.jsonl. Note: the final checkpoint of an 8B-shaped drafter is ~13 GB.
-#   bash bench/trainer_h200.sh [ASSETS_DIR] [OUT_ROOT]
+#   bash dev/trainer_h200.sh [ASSETS_DIR] [OUT_ROOT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASSETS=${1:-runs/bench_assets}
