@@ -27,7 +27,7 @@
 #   eval   tau of every run at the largest checkpoint step all runs reached (equal steps), fast decode speed, and
 #          the fast loop's greedy and speculative steps timed as graph replays, fp32 and bf16 (tools/count_ops --time)
 #   fp8    bench.fp8_h200 (FP8 and the one-process trainer with COMPILE_TARGET) in what is left, FP8_SECONDS at most
-# Measured on 2026-12-01 (BENCHMARKS.md sections 6, 7): 134 conv/s generated; five SmolLM2 runs side by side at
+# Measured on 2026-12-01 (BENCHMARKS.md): 134 conv/s generated; five SmolLM2 runs side by side at
 # ~6.3 steps/s each (600 steps in 96 s); walk eval of 5 drafters x 204 prompts ~70 s. A 30-minute lease: the first
 # call may get no machine (~90 s), start + setup ~200 s, so DEADLINE 1350 leaves ~2 minutes to spare.
 set -uo pipefail
@@ -98,14 +98,14 @@ if [ "$PLAN" = levers ]; then
     [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-50000} STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-500} \
         GEN_SECONDS=${GEN_SECONDS:-330} COUNT_OPS=${COUNT_OPS:-0} FP8_SECONDS=${FP8_SECONDS:-300}
     export RUNS=${RUNS:-"a2k:set_greedy:--MAX_ANCHORS=2048 base1850:set_greedy:--MAX_STEPS=1850 a4k:set_greedy:--MAX_ANCHORS=4096 a2klr3:set_greedy:--MAX_ANCHORS=2048,--LR=3e-4 a2k3k:set_greedy:--MAX_ANCHORS=2048,--MAX_STEPS=3000 a4k3k:set_greedy:--MAX_ANCHORS=4096,--MAX_STEPS=3000"}
-    # the one-process trainer at 2,048 blocks per 4 x 3072 (issue 18's >= 17K / >= 20K goals): compiled bf16 target,
+    # the one-process trainer at 2,048 blocks per 4 x 3072 (the >= 17K / >= 20K tok/s goals): compiled bf16 target,
     # then TARGET_FP8 (NAME:trainer flags, comma-separated)
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
 # PLAN=equaltime, for a lease that carried the greedy set back (PART=unpack, GEN_SETS=greedy): the anchor density
 # at equal GPU time, the question PLAN=levers left open. The runs one after another, each with the GPU to itself for
 # ALONE_SECONDS of training at its own probed rate (dev/quality_h200.sh TRAIN_MODE=alone); then the one-process
-# trainer at Qwen3-8B shapes in bf16 and TARGET_FP8 (issue 18), with FP8_RESERVE kept for it.
+# trainer at Qwen3-8B shapes in bf16 and TARGET_FP8, with FP8_RESERVE kept for it.
 if [ "$PLAN" = equaltime ]; then
     STAGES=${STAGES:-prep train eval fp8}
     export GEN_SETS=${GEN_SETS:-greedy} SIZES=${SIZES:-set_greedy} EQUAL_STEPS=${EQUAL_STEPS:-0} TRAIN_MODE=alone \
@@ -115,7 +115,7 @@ if [ "$PLAN" = equaltime ]; then
     export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
-# PLAN=fresh, for a lease with no set to carry back and no figure yet for issue 18's one-GPU trainer: that first (the
+# PLAN=fresh, for a lease with no set to carry back and no figure yet for the one-GPU trainer at equal work: that first (the
 # one-process trainer at Qwen3-8B shapes, bf16 then TARGET_FP8: it needs no SmolLM2 set), then the greedy set
 # written afresh (same seed as before), then PLAN=equaltime's three densities each alone for an equal share of what
 # is left (ALONE_SECONDS=auto: the train stage's seconds / 3, less ALONE_OVERHEAD for its probe and loading).
@@ -128,7 +128,7 @@ if [ "$PLAN" = fresh ]; then
     export RUNS=${RUNS:-"base:set_greedy: a2k:set_greedy:--MAX_ANCHORS=2048 a4k:set_greedy:--MAX_ANCHORS=4096"}
     export FP8_PARTS=${FP8_PARTS:-trainer} FP8_RUNS=${FP8_RUNS:-"bf16: tfp8:--TARGET_FP8=1"}
 fi
-# PLAN=fp8, for a lease that carried the greedy set back (PART=unpack, GEN_SETS=greedy): issue 18's FP8 switches. First
+# PLAN=fp8, for a lease that carried the greedy set back (PART=unpack, GEN_SETS=greedy): the FP8 switches. First
 # the drafter step with HEAD_FP8 (FP8_PRE), then the one-process trainer at Qwen3-8B shapes with TARGET_FP8 (its
 # stalls' cause fixed in 608766e, not yet run), with all three switches, and with TARGET_FP8 + DRAFTER_FP8; then
 # the tau cost of DRAFTER_FP8, of HEAD_FP8 on top and of all three on SmolLM2 at equal data and steps, against the
@@ -149,7 +149,7 @@ fi
 # steps; then the recipe's levers on the greedy set. Both sets go home (PART=pack) for later leases to top up.
 if [ "$PLAN" = greedy ]; then
     STAGES=${STAGES:-gen prep train eval}
-    export SAMPLER=${SAMPLER:-compiled}    # (62.5K tok/s against eager's 43.8K on 2026-12-02, BENCHMARKS.md section 7)
+    export SAMPLER=${SAMPLER:-compiled}    # (62.5K tok/s against eager's 43.8K on 2026-12-02, BENCHMARKS.md)
     export GENS=${GENS:-"greedy:0 smollm2:0.6"} GEN_SETS=${GEN_SETS:-"greedy smollm2"} SIZES=${SIZES:-"set_greedy all"}
     # (SMOKE=1 keeps dev/quality_h200.sh's tiny numbers)
     [ "${SMOKE:-0}" = 1 ] || export NUM=${NUM:-50000} STEPS=${STEPS:-1500} SAVE_EVERY=${SAVE_EVERY:-250} \
@@ -170,7 +170,7 @@ if [ "${SMOKE:-0}" != 1 ]; then   # (SMOKE=1: dev/quality_h200.sh's own tiny num
     # 1,200 steps: six SmolLM2 runs sharing one H200 at ~5 steps/s each (five did 600 in 96 s) end in ~230 s
     export STEPS=${STEPS:-1200} SAVE_EVERY=${SAVE_EVERY:-200}
     # the curve at the default recipe (D-PACE); the openers' effect (30K rows with them against 30K free ones, equal
-    # steps); TARGET_FP8's tau cost. (exp against D-PACE: measured on 2026-12-01, BENCHMARKS.md section 6)
+    # steps); TARGET_FP8's tau cost. (exp against D-PACE: measured on 2026-12-01, BENCHMARKS.md)
     export RUNS=${RUNS:-"c1k:1000: c10k:10000: c30k:30000: call:all: free30k:free30000: tfp8:all:--TARGET_FP8=1"}
 fi
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
@@ -189,7 +189,7 @@ AB2=(--slots 2048 --prompts 4096 --new 256)
 export ATTN=${ATTN:-matmul} SAMPLER=${SAMPLER:-eager} SLOTS=${SLOTS:-$( [ "${SMOKE:-0}" = 1 ] && echo 8 || echo 2048 )}
 st_ab() {
 stage ab
-# matmul attention at 2048 slots: the fastest on 2026-12-01 (BENCHMARKS.md section 7); the sampler eager against
+# matmul attention at 2048 slots: the fastest on 2026-12-01 (BENCHMARKS.md); the sampler eager against
 # compiled (never run on a GPU before) decides SAMPLER
 $PY -m bench.generate_bench --model "$SMOL" "${AB2[@]}" --attention "$ATTN" --sampler eager,compiled \
     --temperature 0.6 2>&1 | grep -v Loading | tee "$OUT/engine_ab.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The data-at-scale and quality runs on one GPU (BENCHMARKS.md sections 6 and 7), in
+# The data-at-scale and quality runs on one GPU (BENCHMARKS.md), in
 # parts that each fit one 10-minute device call and resume from what the previous part left under $WORK:
 #   PART=setup1  wheels from .whl/ into /tmp/site; the first half of the SmolLM2 GGUF (.gguf/part-aa) to $WORK
 #   PART=setup2  join the GGUF with .gguf/part-ab, convert it (tools.smollm2), engine == HF generate on SmolLM2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Today's throughput measurement (BENCHMARKS.md sections 1-5) on the GPUs present, random Qwen3-8B shapes, each
+# Today's throughput measurement (BENCHMARKS.md) on the GPUs present, random Qwen3-8B shapes, each
 # step's output under OUT. Each step fits one 10-minute device call on one H200; ONLY picks steps, in this order:
 #   tests     the GPU tests: CE kernel, flex (incl. the fallback BlockMask), compiled drafter, overlapped AdamW,
 #             the export's AutoModel load, and with 2 GPUs the NCCL trainer test
