@@ -7,7 +7,7 @@
 #           questions, none used in training), CURVE_TOKENS new tokens each, fp32 target (exact losslessness
 #           check), WORKERS processes sharing the GPU, greedy references computed once for all checkpoints
 #   final   the last checkpoint with 128 new tokens, block verification and DDTree (budget 32) side by side
-#   bash bench/smollm2_h200.sh [OUT_DIR] [SMOLLM2_DIR]
+#   bash dev/smollm2_h200.sh [OUT_DIR] [SMOLLM2_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/smollm2-h200}

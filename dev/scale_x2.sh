@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 scaled down to one nvidia-h200-x2 machine: the reference 8-GPU config (TOKEN_BUDGET 49152, BLOCK_SIZE 32,
+# The reference 8-GPU config scaled down to one nvidia-h200-x2 machine (TOKEN_BUDGET 49152, BLOCK_SIZE 32,
 # MAX_ANCHORS 1024, GAMMA 10, GRAD_ACCUM 4, expandable_segments) with a random Qwen3-8B on 1 target + 1 drafter
 # rank (NPROC, TARGETS; KILL_RANK: the rank B kills, default the first drafter, which writes the checkpoints),
 # eager, in three runs:
@@ -9,7 +9,7 @@
 #   C  B's OUT_DIR again with RESUME=auto: it must resume from B's last checkpoint and end where A ended.
 #      (C writes into B's OUT_DIR: the compare reads runs A and B.)
 # Then A's and C's status lines per step and their final checkpoints (drafter weights and AdamW state) compared.
-#   bash bench/scale_x2.sh [OUT]     (OUT gets the logs and summary.txt; checkpoints go to RUNS, ~13 GB each)
+#   bash dev/scale_x2.sh [OUT]     (OUT gets the logs and summary.txt; checkpoints go to RUNS, ~13 GB each)
 # EXTRA: more --NAME=VALUE settings, after (and over) these (a CPU rehearsal on a tiny target sets its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."

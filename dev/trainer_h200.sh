@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# train_dflash.py itself at the benchmark shape of BENCHMARKS.md section 3 (random Qwen3-8B, 4 x 3072 tokens, 512
+# train_dflash.py itself at the benchmark shape of BENCHMARKS.md (random Qwen3-8B, 4 x 3072 tokens, 512
 # anchors, B=16, 5 layers, taps 1,9,17,25,33) on the GPUs present (1: one process; N: 1 target + N-1 drafters, or
 # TARGET_RANKS), once eager and once with COMPILE_TARGET + COMPILE_DRAFTER=layers. Read the rates off the status
 # lines and OUT_ROOT/{off,layers}/metrics.jsonl. Note: the final checkpoint of an 8B-shaped drafter is ~13 GB.
-#   bash bench/trainer_h200.sh [ASSETS_DIR] [OUT_ROOT]
+#   bash dev/trainer_h200.sh [ASSETS_DIR] [OUT_ROOT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASSETS=${1:-runs/bench_assets}

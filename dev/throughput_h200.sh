@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Today's throughput measurement (BENCHMARKS.md sections 1-5) on the GPUs present, random Qwen3-8B shapes, each
+# Today's throughput measurement (BENCHMARKS.md) on the GPUs present, random Qwen3-8B shapes, each
 # step's output under OUT. Each step fits one 10-minute device call on one H200; ONLY picks steps, in this order:
 #   tests     the GPU tests: CE kernel, flex (incl. the fallback BlockMask), compiled drafter, overlapped AdamW,
 #             the export's AutoModel load, and with 2 GPUs the NCCL trainer test
@@ -8,8 +8,8 @@
 #   target    the target feature forward, compiled, 4 x 3072
 #   fp8       bench/fp8_h200.py: bf16 and FP8 peaks, TARGET_FP8 / DRAFTER_FP8, the one-process trainer at 2,048
 #             blocks with COMPILE_TARGET
-#   trainer   train_dflash.py at the benchmark shape (bench/trainer_h200.sh: one process on one GPU, 1 + N-1 on N)
-#   ONLY="drafter target" bash bench/throughput_h200.sh [OUT]
+#   trainer   train_dflash.py at the benchmark shape (dev/trainer_h200.sh: one process on one GPU, 1 + N-1 on N)
+#   ONLY="drafter target" bash dev/throughput_h200.sh [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/throughput}
@@ -34,7 +34,7 @@ for step in $ONLY; do
         target)  $PY -m bench.bench_dflash --mode target --compile --json "$OUT/target.json" 2>&1 | \
                      tee "$OUT/target.txt" | grep -v "Loading weights" | tail -8 ;;
         fp8)     $PY -m bench.fp8_h200 --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.txt" | tail -30 ;;
-        trainer) MODES=layers bash bench/trainer_h200.sh "${ASSETS:-runs/bench_assets}" "$OUT/trainer" 2>&1 | \
+        trainer) MODES=layers bash dev/trainer_h200.sh "${ASSETS:-runs/bench_assets}" "$OUT/trainer" 2>&1 | \
                      tee "$OUT/trainer.txt" | grep "step=\|done\|error" | tail -8 ;;
         *) echo "unknown step $step (tests drafter target fp8 trainer)"; exit 2 ;;
     esac

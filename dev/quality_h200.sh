@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The data-at-scale and quality runs on one GPU (BENCHMARKS.md sections 6 and 7), in
+# The data-at-scale and quality runs on one GPU (BENCHMARKS.md), in
 # parts that each fit one 10-minute device call and resume from what the previous part left under $WORK:
 #   PART=setup1  wheels from .whl/ into /tmp/site; the first half of the SmolLM2 GGUF (.gguf/part-aa) to $WORK
 #   PART=setup2  join the GGUF with .gguf/part-ab, convert it (tools.smollm2), engine == HF generate on SmolLM2
 #   PART=gen     data.synthesize: NUM conversations (self-written + MIX_RATIO shipped prompts), bounded by
 #                GEN_SECONDS (SIGTERM; rerun the part to go on: the run is resumable)
 #   PART=pack    the generated sets (GEN_SETS, with their rejected rows and stats: what a resumed data.synthesize reads) as
-#                xz pieces of PIECE_BYTES in $WORK/home with a MANIFEST (sha256, rows), for bench/pipeline_h200.sh's
+#                xz pieces of PIECE_BYTES in $WORK/home with a MANIFEST (sha256, rows), for dev/pipeline_h200.sh's
 #                poll to bring home: a later lease carries them back (.data/gen) and resumes instead of regenerating
 #   PART=unpack  copy the carried pieces of .data/gen to $WORK/home_in (one call may carry some, the next the rest);
 #                once all the MANIFEST names are there, check the sha256 and extract them under $WORK/gen
@@ -17,7 +17,7 @@
 #   PART=eval    tau of every run's last checkpoint on the held-out prompts (walk: exact tau from one teacher-forced
 #                pass, fp32), then the decode loop on the best one (tau cross-check, losslessness, tokens/s)
 #   PART=all     setup2 gen prep train eval, for a machine where one process may run for hours
-#   PART=gen WORK=/tmp/q SMOL=~/.cache/dflash/smollm2-135m-instruct SMOKE=1 bash bench/quality_h200.sh   # CPU rehearsal
+#   PART=gen WORK=/tmp/q SMOL=~/.cache/dflash/smollm2-135m-instruct SMOKE=1 bash dev/quality_h200.sh   # CPU rehearsal
 # SMOKE=1 shrinks every number (a few rows, a few steps) so the whole chain runs on a CPU in minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
