@@ -130,7 +130,8 @@ WRITING = [
     "Write a bedtime story for a five-year-old about a dragon who is afraid of the dark.",
     "Write the opening paragraph of a mystery novel set in a small seaside town in the 1950s.",
     "Write a haiku sequence (three haiku) about a city at night.",
-    "Write a heartfelt best man speech for my brother's wedding. He's a firefighter and met his wife at a climbing gym.",
+    "Write a heartfelt best man speech for my brother's wedding. He's a firefighter and met his wife at a climbing "
+    "gym.",
     "Write a short sci-fi story in which humanity's first message from aliens turns out to be an apology.",
     "Write a product description for a handmade ceramic coffee mug that sounds cozy but not cheesy.",
     "Write a sonnet about missing someone who lives in another time zone.",

@@ -9,7 +9,7 @@ A row is rejected for the first reason that applies, checked in this order (the 
   repetition                    a turn that loops: too many repeated word 4-grams, one line over and over, or text
                                 that compresses too well (a run of emoji or symbols the word checks cannot see)
   heldout_copy, heldout_near    a user turn equal (normalised) or nearly equal (MinHash) to an evaluation prompt
-                                (data/default/eval_prompts.jsonl, eval_self_prompts.jsonl, eval_broad.jsonl, --heldout files):
+                                (data/default/eval_prompts.jsonl, eval_self_prompts.jsonl, eval_broad.jsonl, --heldout):
                                 evaluation stays held out
   duplicate, near_duplicate     the first user turn equals / nearly equals that of a row admitted before it
   empty_answer                  a blank assistant turn
