@@ -503,3 +503,79 @@ def test_multiturn_row_measures_the_second_answer(tiny_smollm2, build_drafter):
     r = res["per_prompt"][0]
     assert res["lossless"] and r["prompt_tokens"] == len(want)
     assert r["tokens"] == greedy_decode(model, want, 8, eos)
+
+
+# ---------------------------------------------------------------------------
+# tools.tau_diff: per category, macro, and its input checks
+
+def _drafter(name, taus, cats=None):
+    return {"drafter": name, "tau": sum(taus.values()) / len(taus),
+            "per_prompt": [{"id": k, "tau": v, "category": (cats or {}).get(k, "all")} for k, v in taus.items()]}
+
+
+def _write(path, obj):
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_tau_diff_compares_on_shared_ids_and_says_what_it_left_out(tmp_path, capsys):
+    """Result files with different prompt sets: both sides' tau on the shared ids only (the base's tau used to be
+    over all of its prompts), and the ids left out counted per side; two files are compared like one."""
+    from tools import tau_diff
+    base = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 9.0}
+    other = {"a": 1.5, "b": 2.0, "c": 3.5, "e": 1.0, "f": 1.0}
+    f1, f2 = _write(tmp_path / "a.json", _drafter("runs/base", base)), _write(tmp_path / "b.json", _drafter("x", other))
+    assert tau_diff.main([f1, f2]) == 0
+    out = capsys.readouterr().out
+    assert f"tau {7 / 3:.4f} vs base {2.0:.4f} on the same prompts, minus base {1 / 3:+.4f}" in out, out
+    assert "left out, not in both: 1 of the base's 4 prompts, 2 of this one's 5" in out, out
+    _write(tmp_path / "c.json", _drafter("y", {"x": 1.0, "z": 2.0}))
+    with pytest.raises(SystemExit, match="share no prompt id with a tau"):
+        tau_diff.main([f1, str(tmp_path / "c.json")])
+
+
+def test_tau_diff_per_category_and_macro_equal_a_slow_reference(tmp_path, capsys):
+    import statistics
+    from tools import tau_diff
+    cats = {"a": "chat", "b": "chat", "c": "chat", "d": "code", "e": "code"}
+    base = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 5.0}
+    other = {"a": 1.5, "b": 2.1, "c": 3.9, "d": 4.0, "e": 5.4}
+    per_cat, macro = tau_diff.category_diffs(*(tau_diff.per_prompt(_drafter(n, t, cats), n)
+                                               for n, t in (("b", base), ("o", other))))
+    slow = {}
+    for c in ("chat", "code"):
+        d = [other[i] - base[i] for i in base if cats[i] == c]
+        slow[c] = (statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5)
+    assert per_cat.keys() == slow.keys()
+    for c, (mean, se) in slow.items():
+        assert (per_cat[c]["mean"], per_cat[c]["se"]) == pytest.approx((mean, se)), c
+    assert macro["mean"] == pytest.approx((slow["chat"][0] + slow["code"][0]) / 2)
+    assert macro["se"] == pytest.approx((slow["chat"][1] ** 2 + slow["code"][1] ** 2) ** 0.5 / 2)
+    f = _write(tmp_path / "r.json", {"drafters": [_drafter("base", base, cats), _drafter("new", other, cats)]})
+    assert tau_diff.main([f]) == 0
+    out = capsys.readouterr().out
+    assert f"macro (2 categories, each weighted equally): minus base {macro['mean']:+.4f} +- {macro['se']:.4f}" in out
+    chat = next(ln.split() for ln in out.splitlines() if ln.split()[:1] == ["chat"])
+    assert chat == ["chat", "3", f"{slow['chat'][0]:+.4f}", f"{slow['chat'][1]:.4f}"], out
+
+
+def test_tau_diff_refuses_bad_input_by_name(tmp_path):
+    """Duplicate ids (they used to collapse silently), no JSON, missing per-prompt fields: a message, no traceback."""
+    from tools import tau_diff
+    good = _write(tmp_path / "good.json", _drafter("g", {"a": 1.0, "b": 2.0}))
+    dup = _drafter("dup", {"a": 1.0, "b": 2.0})
+    dup["per_prompt"].append({"id": "a", "tau": 3.0})
+    cases = [
+        (_write(tmp_path / "dup.json", dup), r"repeats prompt ids a: a paired difference needs each prompt once"),
+        (str(tmp_path / "notjson.json"), "is not JSON"),
+        (_write(tmp_path / "list.json", [1, 2]), "is not an eval_dflash.py --out result"),
+        (_write(tmp_path / "noper.json", {"drafter": "n", "tau": 1.0}), r"has no `per_prompt` list"),
+        (_write(tmp_path / "noid.json", {"per_prompt": [{"id": "a", "tau": 1.0}, {"tau": 2.0}]}),
+         r"per_prompt\[1\] lacks `id` or `tau`"),
+        (_write(tmp_path / "strtau.json", {"per_prompt": [{"id": "a", "tau": "2"}]}), "has tau '2', not a number"),
+        (str(tmp_path / "missing.json"), "cannot read"),
+    ]
+    (tmp_path / "notjson.json").write_text("{not json")
+    for path, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            tau_diff.main([good, path])
