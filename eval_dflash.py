@@ -14,11 +14,20 @@ context (model.drafter.DrafterCache):
 Choices (documented here once):
   - tau of a prompt = mean over verify steps of the tokens that step committed (accepted + 1, cut at eos and at
     max_new_tokens); the first token comes from the prefill and is no step. Overall / per category: mean over
-    prompts (docs/ALGORITHM.md, section 5). The histogram counts committed tokens per step (1..B).
+    prompts (docs/ALGORITHM.md, section 5), each with its SE (sd / sqrt(n)); the macro-average weighs every
+    category equally: the mean of the category means, SE sqrt(sum of the categories' SE^2) / C (category_stats).
+    The histogram counts committed tokens per step (1..B).
   - Prompt rows: `messages` (OpenAI), `prompt` (a string, sent as one user message) or pre-tokenized `input_ids`;
-    optional `id`, `category`. Multi-turn rows keep the system messages before the first user turn and that turn
-    only: MT-Bench's second question refers to an answer the row does not have. Templated exactly as in training
-    (data.chat.render with add_generation_prompt=True, then tokenized without special tokens).
+    optional `id` (unique), `category` (a string). Every row is checked when the file is read, before any model
+    loads. Multi-turn rows keep the system messages before the first user turn and that turn only (MT-Bench's
+    second question refers to an answer the row does not have), unless they hold answer placeholders
+    ({"role": "assistant", "content": null}, data/default/eval_broad.jsonl's `multiturn`): each is filled with the
+    target's plain greedy answer to the conversation before it (EARLIER_ANSWER_TOKENS at most, untimed, not
+    counted, so fixed for a given target) and tau is measured on the answer to the last user turn. Templated
+    exactly as in training (data.chat.render with add_generation_prompt=True, then tokenized without special
+    tokens). --limit N keeps N rows dealt round-robin over the categories (spread), so every category is measured.
+  - --drafter-dtype: the drafter may run in another dtype than the target (bf16 proposals, an fp32 target): the
+    target verifies every token, so the output stays the target's greedy output.
   - A prompt with prompt_len + max_new_tokens + B - 1 > max_position_embeddings (the last block drafts up to B-1
     positions past the last token) raises PromptTooLong naming it, before any decoding; on_too_long="skip"
     (CLI --skip-long) drops it with a warning instead.
@@ -75,6 +84,7 @@ MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
 METHODS = ("decode", "fast", "walk")   # --method: see evaluate_drafters
 TREE_TOP_K = 8         # DDTree: candidate tokens per slot, i.e. children per tree node
 WARMUP_TOKENS = 8      # untimed warm-up decode on the first prompt (CUDA init, allocator)
+EARLIER_ANSWER_TOKENS = 256   # multi-turn rows: the target's greedy answer to each earlier turn, cut here
 
 
 class PromptTooLong(ValueError):
@@ -85,6 +95,9 @@ class PromptTooLong(ValueError):
 # Prompts
 
 def load_prompts(path, limit=None) -> list[dict]:
+    """The rows of a prompts JSONL, each checked (check_row) so that a bad row fails here, before any model loads.
+    limit: that many rows, dealt round-robin over the categories in file order (each category's first rows), so a
+    limited run still covers every category; the kept rows stay in file order."""
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -94,31 +107,105 @@ def load_prompts(path, limit=None) -> list[dict]:
                 row = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not any(k in row for k in ("messages", "prompt", "input_ids")):
-                raise ValueError(f"{path}:{n}: a prompt row needs `messages`, `prompt` or `input_ids`; "
-                                 f"has {sorted(row)}")
+            problem = check_row(row)
+            if problem:
+                raise ValueError(f"{path}:{n}: {problem}")
             row.setdefault("id", f"{Path(path).name}:{n}")
             rows.append(row)
-    return rows[:limit] if limit else rows
+    seen = Counter(r["id"] for r in rows)
+    if dup := sorted(str(i) for i, c in seen.items() if c > 1):
+        raise ValueError(f"{path}: ids must be unique (results are paired by id); repeated: {', '.join(dup[:10])}")
+    return spread(rows, limit) if limit else rows
+
+
+def check_row(row) -> str | None:
+    """What is wrong with one prompt row, or None: `messages` (a list of {role, content} with a user turn; an
+    assistant turn with content null is a placeholder for the target's answer, between user turns), `prompt` (a
+    string) or `input_ids` (a list of ints); optional `id` (string or int) and `category` (string)."""
+    if not isinstance(row, dict):
+        return f"a prompt row is a JSON object, not {type(row).__name__}"
+    if "input_ids" in row:
+        ids = row["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return "`input_ids` must be a non-empty list of token ids (non-negative ints)"
+    elif "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            return "`prompt` must be a non-empty string"
+    elif "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in msgs):
+            return "`messages` must be a list of {\"role\": ..., \"content\": ...} objects"
+        roles = [m["role"] for m in msgs]
+        if "user" not in roles:
+            return f"`messages` has no user turn (roles {roles})"
+        for i, m in enumerate(msgs):
+            if m.get("content") is None and m["role"] == "assistant":
+                if "user" not in roles[:i] or "user" not in roles[i + 1:]:
+                    return (f"message {i} is an answer placeholder (assistant, content null): it needs a user turn "
+                            f"before it and one after it")
+            elif not isinstance(m.get("content"), str):
+                return f"message {i} ({m['role']}) has no string `content`"
+    else:
+        return f"a prompt row needs `messages`, `prompt` or `input_ids`; has {sorted(row)}"
+    if not isinstance(row.get("category", ""), str):
+        return f"`category` must be a string, not {row['category']!r}"
+    if not isinstance(row.get("id", ""), (str, int)) or isinstance(row.get("id"), bool):
+        return f"`id` must be a string or an int, not {row['id']!r}"
+    return None
+
+
+def spread(rows, limit) -> list[dict]:
+    """`limit` rows dealt round-robin over the categories (first appearance order), each category's first rows
+    first; returned in file order."""
+    by_cat = defaultdict(list)
+    for i, r in enumerate(rows):
+        by_cat[r.get("category", "all")].append(i)
+    queues, keep = list(by_cat.values()), []
+    while len(keep) < min(limit, len(rows)):
+        for q in queues:
+            if q and len(keep) < limit:
+                keep.append(q.pop(0))
+    return [rows[i] for i in sorted(keep)]
+
+
+def has_placeholders(row) -> bool:
+    return any(m["role"] == "assistant" and m.get("content") is None for m in row.get("messages") or [])
 
 
 def prompt_messages(row) -> list[dict]:
-    """The conversation to answer: system messages before the first user turn, plus that turn."""
+    """The conversation to answer. A row with answer placeholders: all its messages (the placeholders are filled
+    by encode_prompt). Otherwise the system messages before the first user turn, plus that turn: MT-Bench's
+    second question in eval_prompts.jsonl refers to an answer the row does not have."""
     if "prompt" in row:
         return [{"role": "user", "content": row["prompt"]}]
     msgs = row["messages"]
+    if has_placeholders(row):
+        return [dict(m) for m in msgs]
     first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
     if first is None:
         raise ValueError(f"prompt {row.get('id')!r} has no user turn")
     return [m for m in msgs[:first] if m["role"] == "system"] + [msgs[first]]
 
 
-def encode_prompt(tokenizer, row, enable_thinking=None) -> list[int]:
+def encode_prompt(tokenizer, row, enable_thinking=None, answer=None) -> list[int]:
+    """A row's prompt ids, templated as in training. answer: prompt ids -> the target's answer ids (eos dropped),
+    needed by rows with placeholders: each is filled, in order, with the answer to the conversation before it."""
     if "input_ids" in row:
         return [int(t) for t in row["input_ids"]]
     assert tokenizer is not None, "prompt rows with messages/prompt need a tokenizer"
-    text = render(tokenizer, prompt_messages(row), enable_thinking, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def ids(msgs):
+        text = render(tokenizer, msgs, enable_thinking, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    msgs = prompt_messages(row)
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and m.get("content") is None:
+            if answer is None:
+                raise ValueError(f"prompt {row.get('id')!r} has an answer placeholder: encoding it needs the target")
+            text = tokenizer.decode(answer(ids(msgs[:i])), skip_special_tokens=True)
+            msgs[i] = {"role": "assistant", "content": text}
+    return ids(msgs)
 
 
 # ---------------------------------------------------------------------------
@@ -520,6 +607,36 @@ def _by_category(rows, key):
     return {c: _mean(v) for c, v in sorted(groups.items())}
 
 
+def mean_se(xs) -> tuple:
+    """(n, mean, standard error sd / sqrt(n)) of the values that are not None; the SE is None below two values,
+    the mean below one."""
+    xs = [x for x in xs if x is not None]
+    n = len(xs)
+    mean = sum(xs) / n if n else None
+    se = (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5 if n > 1 else None
+    return n, mean, se
+
+
+def category_stats(rows, key="tau") -> tuple[dict, dict]:
+    """Per category (the rows' exact `category`) and their macro-average, each category weighted equally:
+    ({category: {"prompts": n, "mean": m, "se": se}}, {"mean": mean of the category means, "se": sqrt(sum of
+    se_c^2) / C, "categories": C}). Rows are prompts (rows[key] their tau) or paired differences (tools.tau_diff);
+    a category whose rows all lack a value is left out, and the macro SE is None when one category's SE is."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r.get("category", "all")].append(r[key])
+    cats = {}
+    for c, xs in sorted(groups.items()):
+        n, mean, se = mean_se(xs)
+        if n:
+            cats[c] = {"prompts": n, "mean": mean, "se": se}
+    ses = [v["se"] for v in cats.values()]
+    macro = {"mean": sum(v["mean"] for v in cats.values()) / len(cats) if cats else None,
+             "se": sum(x * x for x in ses) ** 0.5 / len(cats) if cats and None not in ses else None,
+             "categories": len(cats)}
+    return cats, macro
+
+
 def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
              tree_budget=0, device=None, **kw) -> dict:
     """tau, losslessness and speed of `drafter` on `prompts` (rows as in load_prompts): evaluate_drafters with one
@@ -569,8 +686,14 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
     # every shard checks every prompt, so all workers keep the same list (and report the same `skipped`)
     limit, B = model.config.get_text_config().max_position_embeddings, max(block_sizes)
     items, skipped = [], []
+
+    def answer(ids):          # an earlier turn's answer: plain greedy, untimed, once per target and prompt
+        key = ("answer", tuple(ids), EARLIER_ANSWER_TOKENS)
+        if key not in reference:
+            reference[key] = [t for t in greedy_decode(model, ids, EARLIER_ANSWER_TOKENS, eos) if t not in eos]
+        return reference[key]
     for row in prompts:
-        ids = encode_prompt(tokenizer, row, enable_thinking)
+        ids = encode_prompt(tokenizer, row, enable_thinking, answer)
         need = len(ids) + max_new_tokens + B - 1
         if need > limit:
             msg = (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
@@ -678,6 +801,7 @@ def summarize(per_prompt, skipped, config) -> dict:
         "tau": _mean([r["tau"] for r in per_prompt]),
         "prompts": len(per_prompt),
         "tau_by_category": _by_category(per_prompt, "tau"),
+        **_spread_stats(per_prompt, "tau"),
         "tf_streak": _mean([r["tf_streak"] for r in per_prompt if r.get("tf_streak") is not None]),
         "accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["steps"]).items())),
     }
@@ -706,8 +830,16 @@ def summarize(per_prompt, skipped, config) -> dict:
     if tree:
         result |= {"tree_tau": _mean([r["tree_tau"] for r in per_prompt]),
                    "tree_tau_by_category": _by_category(per_prompt, "tree_tau"),
+                   **_spread_stats(per_prompt, "tree_tau"),
                    "tree_accept_hist": dict(sorted(Counter(s for r in per_prompt for s in r["tree_steps"]).items()))}
     return result | {"skipped": skipped, "config": config, "per_prompt": per_prompt}
+
+
+def _spread_stats(per_prompt, key) -> dict:
+    """{key}_se (over prompts), {key}_categories (category_stats), {key}_macro and {key}_macro_se."""
+    cats, macro = category_stats(per_prompt, key)
+    return {f"{key}_se": mean_se([r[key] for r in per_prompt])[2], f"{key}_categories": cats,
+            f"{key}_macro": macro["mean"], f"{key}_macro_se": macro["se"]}
 
 
 def merge_shards(shards) -> list[dict]:
@@ -727,9 +859,15 @@ def merge_shards(shards) -> list[dict]:
 def report_lines(res) -> list[str]:
     """Human summary; the last line is `tau=<x.xx> lossless=<yes|no|unchecked> prompts=<n>` (unchecked: the walk)."""
     tree = bool(res["config"]["tree_budget"])
-    lines = [f"{'category':<24} {'tau':>6}" + (f" {'tree_tau':>8}" if tree else "")]
-    for cat, tau in res["tau_by_category"].items():
-        lines.append(f"{cat:<24} {_fmt(tau):>6}" + (f" {_fmt(res['tree_tau_by_category'][cat]):>8}" if tree else ""))
+    lines = [f"{'category':<24} {'prompts':>7} {'tau':>6} {'SE':>5}" + (f" {'tree_tau':>8}" if tree else "")]
+    rows = [(c, v["prompts"], v["mean"], v["se"], res["tree_tau_by_category"].get(c) if tree else None)
+            for c, v in res["tau_categories"].items()]
+    rows += [("all prompts", res["prompts"], res["tau"], res["tau_se"], res.get("tree_tau")),
+             (f"macro ({len(res['tau_categories'])} categories)", None, res["tau_macro"], res["tau_macro_se"],
+              res.get("tree_tau_macro"))]
+    for cat, n, tau, se, tree_tau in rows:
+        lines.append(f"{cat:<24} {'' if n is None else n:>7} {_fmt(tau):>6} {_fmt(se):>5}"
+                     + (f" {_fmt(tree_tau):>8}" if tree else ""))
     total = max(1, sum(res["accept_hist"].values()))
     hist = "  ".join(f"{k}:{v / total:.1%}" for k, v in res["accept_hist"].items())
     lines.append(f"committed tokens per step: {hist}")
@@ -761,6 +899,8 @@ def report_lines(res) -> list[str]:
     if res["skipped"]:
         lines.append(f"skipped (too long): {len(res['skipped'])}")
     lossless = {None: "unchecked", True: "yes", False: "no"}[res["lossless"]]
+    lines.append(f"macro tau {_fmt(res['tau_macro'])} +- {_fmt(res['tau_macro_se'])} (each of "
+                 f"{len(res['tau_categories'])} categories weighted equally; +- its SE)")
     lines.append(f"tau={_fmt(res['tau'])} lossless={lossless} prompts={res['prompts']}")
     return lines
 
@@ -781,8 +921,10 @@ def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
                  f"prompt rows (input_ids) can be evaluated")
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa",
                                                  local_files_only=True).to(device)
-    drafters = [load_drafter(Path(d).expanduser(), device=device, dtype=dtype).eval() for d in a.drafter]
-    log(f"target {target.name} | {len(prompts)} prompts | {device} {str(dtype).replace('torch.', '')}")
+    drafter_dtype = dtype if a.drafter_dtype == "auto" else getattr(torch, a.drafter_dtype)
+    drafters = [load_drafter(Path(d).expanduser(), device=device, dtype=drafter_dtype).eval() for d in a.drafter]
+    log(f"target {target.name} | {len(prompts)} prompts | {device} {str(dtype).replace('torch.', '')} | drafter "
+        f"{str(drafter_dtype).replace('torch.', '')}")
     for path, d in zip(a.drafter, drafters):
         log(f"drafter {path} ({d.config.num_hidden_layers} layers, taps {d.config.target_layer_ids})")
     try:
@@ -895,13 +1037,17 @@ def main(argv=None):
                    help="--method fast: replay each step as a CUDA graph (on) or run it eagerly (off; same maths)")
     p.add_argument("--tree-budget", type=int, default=0, help="DDTree node budget; 0 = block verification only")
     p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--limit", type=int, default=None,
+                   help="N prompts only, dealt round-robin over the categories (each category's first ones)")
     p.add_argument("--thinking", choices=["auto", "on", "off"], default="auto",
                    help="enable_thinking for the chat template: the same as the training data (auto: template default)")
     p.add_argument("--skip-long", action="store_true", help="skip prompts over the context limit (default: error)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on GPU, float32 on CPU")
+                   help="the target's: auto = bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the drafter's (auto: the target's); it only changes the proposals, never the output: the "
+                        "target verifies every token in its own --dtype")
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, prompts dealt round-robin; same tau/lossless as 1, but "
                         "tokens/s are only meaningful with 1")

@@ -345,9 +345,10 @@ def load_init_from(drafter) -> str:
 
 
 def eval_inputs(tok, stats: dict) -> dict:
-    """EVAL_EVERY's prompts, checked at start-up (a bad row used to end the job at its first evaluation), and the
-    dataset's thinking mode (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was
-    trained. tok: TARGET's tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
+    """EVAL_EVERY's prompts (EVAL_LIMIT of them dealt over the categories: eval_dflash.load_prompts), checked at
+    start-up (a bad row used to end the job at its first evaluation), and the dataset's thinking mode
+    (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was trained. tok: TARGET's
+    tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
     path = Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl")
     try:
         prompts = eval_dflash.load_prompts(path, limit=EVAL_LIMIT)
@@ -1337,11 +1338,14 @@ def evaluate(run, drafter):
     run.last_eval.update(tau=res["tau"], lossless=res["lossless"])
     run.metrics.write({"time": time.time(), "step": run.step, "tau": res["tau"], "lossless": res["lossless"],
                        "tau_by_category": res.get("tau_by_category"), "tf_streak": res.get("tf_streak"),
-                       "eval_s": time.time() - t})
+                       "tau_categories": res["tau_categories"], "tau_macro": res["tau_macro"],
+                       "tau_macro_se": res["tau_macro_se"], "eval_s": time.time() - t})
     # tf_streak: the training streak measured on these prompts' greedy outputs. tau ~ 1 + tf_streak when serving
     # matches training; tf_streak far below the status line's streak = the drafter does not generalise to them
     tf = res.get("tf_streak")
-    log(f"eval step {run.step}: tau={res['tau']:.2f} lossless={'yes' if res['lossless'] else 'no'} "
+    macro = "-" if res["tau_macro"] is None else f"{res['tau_macro']:.2f}"
+    log(f"eval step {run.step}: tau={res['tau']:.2f} macro_tau={macro} ({len(res['tau_categories'])} categories) "
+        f"lossless={'yes' if res['lossless'] else 'no'} "
         f"prompts={len(setup['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
         f"({time.time() - t:.0f}s)")
 

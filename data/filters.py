@@ -9,7 +9,7 @@ A row is rejected for the first reason that applies, checked in this order (the 
   repetition                    a turn that loops: too many repeated word 4-grams, one line over and over, or text
                                 that compresses too well (a run of emoji or symbols the word checks cannot see)
   heldout_copy, heldout_near    a user turn equal (normalised) or nearly equal (MinHash) to an evaluation prompt
-                                (data/default/eval_prompts.jsonl, eval_self_prompts.jsonl and every --heldout file):
+                                (data/default/eval_prompts.jsonl, eval_self_prompts.jsonl, eval_broad.jsonl, --heldout):
                                 evaluation stays held out
   duplicate, near_duplicate     the first user turn equals / nearly equals that of a row admitted before it
   empty_answer                  a blank assistant turn
@@ -34,7 +34,8 @@ from pathlib import Path
 HELDOUT_DEFAULT = Path(__file__).resolve().parent / "default" / "eval_prompts.jsonl"
 # the self-written evaluation prompts (data.synthesize's distribution, a seed no training run uses): held out too
 HELDOUT_SELF = HELDOUT_DEFAULT.with_name("eval_self_prompts.jsonl")
-HELDOUT_DEFAULTS = [p for p in (HELDOUT_DEFAULT, HELDOUT_SELF) if p.exists()]
+HELDOUT_BROAD = HELDOUT_DEFAULT.with_name("eval_broad.jsonl")   # the broad evaluation set (data.broad_eval)
+HELDOUT_DEFAULTS = [p for p in (HELDOUT_DEFAULT, HELDOUT_SELF, HELDOUT_BROAD) if p.exists()]
 
 REPEAT_NGRAM = 4               # words per n-gram of the repetition filter
 MAX_REPEATED_NGRAM_SHARE = 0.5  # share of a turn's word 4-grams that repeat an earlier one, above which it loops.

@@ -394,3 +394,188 @@ def test_tau_diff_tool(tmp_path, capsys):
         tau_diff.main([str(one)])
     with pytest.raises(SystemExit, match="no drafter path contains 'nope'"):
         tau_diff.main([str(f), "--base", "nope"])
+
+
+# ---------------------------------------------------------------------------
+# Per category and macro; prompt rows; multi-turn rows
+
+def test_category_stats_and_macro_equal_a_slow_reference():
+    """category_stats on a hand-made result equals the textbook formulas written out slowly: per category the mean
+    and sd / sqrt(n) (statistics.stdev), the macro the plain mean of the category means with SE
+    sqrt(sum se_c^2) / C; prompts without a tau are left out of their category."""
+    import statistics
+    taus = {"chat": [1.0, 1.5, 2.5], "code": [3.0, 4.0, 3.5, 5.5], "howto": [2.0, None, 2.2]}
+    rows = [{"id": f"{c}{i}", "category": c, "tau": t} for c, ts in taus.items() for i, t in enumerate(ts)]
+    cats, macro = eval_dflash.category_stats(rows, "tau")
+    slow = {}
+    for c, ts in taus.items():
+        ts = [t for t in ts if t is not None]
+        slow[c] = {"prompts": len(ts), "mean": statistics.fmean(ts), "se": statistics.stdev(ts) / len(ts) ** 0.5}
+    assert cats.keys() == slow.keys()
+    for c in slow:
+        assert cats[c] == pytest.approx(slow[c]), c
+    assert macro["categories"] == 3
+    assert macro["mean"] == pytest.approx((slow["chat"]["mean"] + slow["code"]["mean"] + slow["howto"]["mean"]) / 3)
+    assert macro["se"] == pytest.approx((slow["chat"]["se"] ** 2 + slow["code"]["se"] ** 2
+                                         + slow["howto"]["se"] ** 2) ** 0.5 / 3)
+    # the macro weighs categories, not prompts: code's 4 prompts count as much as howto's 2
+    assert macro["mean"] != pytest.approx(statistics.fmean(t for ts in taus.values() for t in ts if t is not None))
+    one = eval_dflash.category_stats([{"category": "a", "tau": 2.0}, {"category": "b", "tau": 1.0},
+                                      {"category": "b", "tau": 3.0}])[1]
+    assert one["mean"] == 2.0 and one["se"] is None          # a one-prompt category has no SE, nor has the macro
+
+
+def test_summary_and_report_give_categories_and_macro(target):
+    res = run(target, Oracle(target, wrong_slot=lambda start: 2), 12)
+    cats, macro = eval_dflash.category_stats(res["per_prompt"], "tau")
+    assert res["tau_categories"] == cats and set(cats) == {"a", "b/x", "b/y"}
+    assert res["tau_macro"] == macro["mean"] and res["tau_macro_se"] == macro["se"]
+    assert res["tau_se"] == eval_dflash.mean_se([r["tau"] for r in res["per_prompt"]])[2]
+    lines = eval_dflash.report_lines(res)
+    assert any(re.fullmatch(rf"b/x\s+1\s+{res['tau_categories']['b/x']['mean']:.2f}\s+-", ln) for ln in lines), lines
+    assert any(ln.startswith("macro (3 categories)") for ln in lines), lines
+    assert lines[-2].startswith(f"macro tau {res['tau_macro']:.2f} +- -")
+    assert re.fullmatch(r"tau=\d+\.\d\d lossless=yes prompts=3", lines[-1])
+
+
+def test_limit_spreads_over_categories(tmp_path):
+    rows = [{"id": f"{c}{i}", "category": c, "prompt": "x"} for c in "abc" for i in range(4)]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["id"] for r in eval_dflash.load_prompts(f, limit=5)] == ["a0", "a1", "b0", "b1", "c0"]
+    assert len(eval_dflash.load_prompts(f, limit=50)) == 12
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"messages": "hi"}, "`messages` must be a list"),
+    ({"messages": [{"role": "system", "content": "s"}]}, "`messages` has no user turn"),
+    ({"messages": [{"role": "user", "content": 5}]}, "message 0 (user) has no string `content`"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+     "message 1 is an answer placeholder"),
+    ({"prompt": "q", "category": 3}, "`category` must be a string"),
+    ({"input_ids": [1, "2"]}, "`input_ids` must be a non-empty list"),
+    ({"prompt": ""}, "`prompt` must be a non-empty string"),
+    ([1, 2], "a prompt row is a JSON object"),
+])
+def test_bad_prompt_rows_fail_before_the_target_loads(row, problem, tmp_path, monkeypatch, build_drafter,
+                                                       tiny_qwen3_dir):
+    """Rows that used to pass load_prompts and fail in encode_prompt, after the target had loaded."""
+    loaded = []
+    monkeypatch.setattr(eval_dflash, "run_here", lambda a, prompts, *_, **__: loaded.append(a) or [])
+    export_drafter(build_drafter(tiny_qwen3_dir, num_layers=1, block_size=B), tmp_path / "d")
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "d"), "--prompts", str(f)])
+    assert not loaded and f"p.jsonl:2: {problem}" in str(e.value), str(e.value)
+
+
+def test_duplicate_prompt_ids_are_refused(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in ("a", "b", "a")))
+    with pytest.raises(ValueError, match="ids must be unique .*repeated: a"):
+        eval_dflash.load_prompts(f)
+
+
+@pytest.mark.skipif(not SMOLLM2_DIR.exists(), reason=f"no SmolLM2 folder at {SMOLLM2_DIR}")
+def test_multiturn_row_measures_the_second_answer(tiny_smollm2, build_drafter):
+    """A row [user1, placeholder, user2]: the prompt is the conversation with the target's plain greedy answer to
+    user1 in the placeholder, and tau is measured on the answer to user2 (the first answer is not decoded again)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from data.chat import render
+    tok = AutoTokenizer.from_pretrained(tiny_smollm2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_smollm2, dtype=torch.float32, attn_implementation="sdpa").eval()
+    eos = eval_dflash.eos_ids(model, tok)
+    u1, u2 = {"role": "user", "content": "Name a colour."}, {"role": "user", "content": "And another one?"}
+    row = {"id": "m", "category": "multiturn", "messages": [u1, {"role": "assistant", "content": None}, u2]}
+
+    def encode(msgs):
+        return tok(render(tok, msgs, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    first = greedy_decode(model, encode([u1]), eval_dflash.EARLIER_ANSWER_TOKENS, eos)
+    answer = tok.decode([t for t in first if t not in eos], skip_special_tokens=True)
+    want = encode([u1, {"role": "assistant", "content": answer}, u2])
+    with pytest.raises(ValueError, match="answer placeholder: encoding it needs the target"):
+        eval_dflash.encode_prompt(tok, row)
+    assert len(answer) > 0 and eval_dflash.encode_prompt(tok, row, answer=lambda ids: [
+        t for t in greedy_decode(model, ids, eval_dflash.EARLIER_ANSWER_TOKENS, eos) if t not in eos]) == want
+    drafter = build_drafter(tiny_smollm2, num_layers=1, block_size=B)
+    res = evaluate(model, tok, drafter, [row], max_new_tokens=8, log=None)
+    r = res["per_prompt"][0]
+    assert res["lossless"] and r["prompt_tokens"] == len(want)
+    assert r["tokens"] == greedy_decode(model, want, 8, eos)
+
+
+# ---------------------------------------------------------------------------
+# tools.tau_diff: per category, macro, and its input checks
+
+def _drafter(name, taus, cats=None):
+    return {"drafter": name, "tau": sum(taus.values()) / len(taus),
+            "per_prompt": [{"id": k, "tau": v, "category": (cats or {}).get(k, "all")} for k, v in taus.items()]}
+
+
+def _write(path, obj):
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_tau_diff_compares_on_shared_ids_and_says_what_it_left_out(tmp_path, capsys):
+    """Result files with different prompt sets: both sides' tau on the shared ids only (the base's tau used to be
+    over all of its prompts), and the ids left out counted per side; two files are compared like one."""
+    from tools import tau_diff
+    base = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 9.0}
+    other = {"a": 1.5, "b": 2.0, "c": 3.5, "e": 1.0, "f": 1.0}
+    f1, f2 = _write(tmp_path / "a.json", _drafter("runs/base", base)), _write(tmp_path / "b.json", _drafter("x", other))
+    assert tau_diff.main([f1, f2]) == 0
+    out = capsys.readouterr().out
+    assert f"tau {7 / 3:.4f} vs base {2.0:.4f} on the same prompts, minus base {1 / 3:+.4f}" in out, out
+    assert "left out, not in both: 1 of the base's 4 prompts, 2 of this one's 5" in out, out
+    _write(tmp_path / "c.json", _drafter("y", {"x": 1.0, "z": 2.0}))
+    with pytest.raises(SystemExit, match="share no prompt id with a tau"):
+        tau_diff.main([f1, str(tmp_path / "c.json")])
+
+
+def test_tau_diff_per_category_and_macro_equal_a_slow_reference(tmp_path, capsys):
+    import statistics
+    from tools import tau_diff
+    cats = {"a": "chat", "b": "chat", "c": "chat", "d": "code", "e": "code"}
+    base = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 5.0}
+    other = {"a": 1.5, "b": 2.1, "c": 3.9, "d": 4.0, "e": 5.4}
+    per_cat, macro = tau_diff.category_diffs(*(tau_diff.per_prompt(_drafter(n, t, cats), n)
+                                               for n, t in (("b", base), ("o", other))))
+    slow = {}
+    for c in ("chat", "code"):
+        d = [other[i] - base[i] for i in base if cats[i] == c]
+        slow[c] = (statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5)
+    assert per_cat.keys() == slow.keys()
+    for c, (mean, se) in slow.items():
+        assert (per_cat[c]["mean"], per_cat[c]["se"]) == pytest.approx((mean, se)), c
+    assert macro["mean"] == pytest.approx((slow["chat"][0] + slow["code"][0]) / 2)
+    assert macro["se"] == pytest.approx((slow["chat"][1] ** 2 + slow["code"][1] ** 2) ** 0.5 / 2)
+    f = _write(tmp_path / "r.json", {"drafters": [_drafter("base", base, cats), _drafter("new", other, cats)]})
+    assert tau_diff.main([f]) == 0
+    out = capsys.readouterr().out
+    assert f"macro (2 categories, each weighted equally): minus base {macro['mean']:+.4f} +- {macro['se']:.4f}" in out
+    chat = next(ln.split() for ln in out.splitlines() if ln.split()[:1] == ["chat"])
+    assert chat == ["chat", "3", f"{slow['chat'][0]:+.4f}", f"{slow['chat'][1]:.4f}"], out
+
+
+def test_tau_diff_refuses_bad_input_by_name(tmp_path):
+    """Duplicate ids (they used to collapse silently), no JSON, missing per-prompt fields: a message, no traceback."""
+    from tools import tau_diff
+    good = _write(tmp_path / "good.json", _drafter("g", {"a": 1.0, "b": 2.0}))
+    dup = _drafter("dup", {"a": 1.0, "b": 2.0})
+    dup["per_prompt"].append({"id": "a", "tau": 3.0})
+    cases = [
+        (_write(tmp_path / "dup.json", dup), r"repeats prompt ids a: a paired difference needs each prompt once"),
+        (str(tmp_path / "notjson.json"), "is not JSON"),
+        (_write(tmp_path / "list.json", [1, 2]), "is not an eval_dflash.py --out result"),
+        (_write(tmp_path / "noper.json", {"drafter": "n", "tau": 1.0}), r"has no `per_prompt` list"),
+        (_write(tmp_path / "noid.json", {"per_prompt": [{"id": "a", "tau": 1.0}, {"tau": 2.0}]}),
+         r"per_prompt\[1\] lacks `id` or `tau`"),
+        (_write(tmp_path / "strtau.json", {"per_prompt": [{"id": "a", "tau": "2"}]}), "has tau '2', not a number"),
+        (str(tmp_path / "missing.json"), "cannot read"),
+    ]
+    (tmp_path / "notjson.json").write_text("{not json")
+    for path, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            tau_diff.main([good, path])

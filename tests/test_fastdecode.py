@@ -203,6 +203,26 @@ def test_cli_fast(tiny_qwen3_dir, trained, tmp_path, capsys):
         main(args + ["--method", "fast", "--tree-budget", "4"])
 
 
+def test_bf16_drafter_with_an_fp32_target_stays_lossless(tiny_qwen3_dir, trained, tmp_path, capsys):
+    """--drafter-dtype bfloat16 --dtype float32: the drafter proposes in bf16 (its weights, context cache and
+    activations), the fp32 target verifies, so every prompt's output is the fp32 target's greedy output token for
+    token, in the fast loop and in the decode loop; the drafts still get accepted (tau > 1)."""
+    model, drafter, prompts = trained
+    export_drafter(drafter, tmp_path / "d")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n"
+                                              for i, p in enumerate(prompts)))
+    args = ["--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p.jsonl"),
+            "--device", "cpu", "--max-new-tokens", "24", "--dtype", "float32", "--drafter-dtype", "bfloat16"]
+    eos = eos_ids(model)
+    for method in ("fast", "decode"):
+        res = main(args + ["--method", method])
+        assert res["measured_on"]["dtype"] == "float32" and res["measured_on"]["drafter_dtype"] == "bfloat16"
+        assert "target float32, drafter bfloat16" in capsys.readouterr().out
+        assert res["lossless"] and res["tau"] > 1 and res["prompts"] == len(prompts)
+        for r, p in zip(res["per_prompt"], prompts):
+            assert r["tokens"] == greedy_decode(model, p, 24, eos), (method, r["id"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
 def test_cuda_graphs_equal_eager_and_the_decode_loop(trained):
     """On a GPU, fp32: graph replays give the eager steps' tokens and steps, and the HF decode loop's; two drafters
