@@ -2,6 +2,7 @@
 AutoModel (trust_remote_code), SGLang, vLLM and vLLM's speculators converter read it."""
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -150,3 +151,91 @@ def test_export_reads_as_the_sglang_and_vllm_loaders_read_it(build_drafter, tiny
     rest = {k: v for k, v in raw.items()
             if k not in {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"}}
     assert Qwen3Config(**rest).num_hidden_layers == L and isinstance(rest["vocab_size"], int)
+
+
+# ---------------------------------------------------------------------------
+# z-lab's Transformers quick start on our export: draft.spec_generate(input_ids=..., target=target, ...)
+
+def greedy_reference(target, input_ids, max_new_tokens, stop=None):
+    """transformers' own greedy generate, cut after the first stop token (what spec_generate must return)."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen)
+
+
+def overfit(drafter, target, ids, prompt_len, steps=200, lr=3e-3):
+    """Train the drafter on one sequence (the target's greedy output after prompt_len), every completion position an
+    anchor, as training does: the block [ids[p], MASK, ...] at positions p.. sees the target's features before p."""
+    cfg, L = drafter.config, len(ids)
+    B, V = cfg.block_size, target.config.vocab_size
+    with torch.no_grad():
+        hs = target(ids[None], output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[l + 1][0] for l in cfg.target_layer_ids], -1)                     # [L, K*H]
+        anchors = torch.arange(prompt_len, L - 1)                                               # [N]
+        pos = anchors[:, None] + torch.arange(B)                                                # [N, B]
+        block = torch.where(pos == anchors[:, None], ids[anchors][:, None], cfg.mask_token_id)
+        emb = target.get_input_embeddings()(block.flatten())                                    # [N*B, H]
+        labels, valid = ids[pos.clamp(max=L - 1)][:, 1:], (pos < L)[:, 1:]                     # [N, B-1]
+    zeros = torch.zeros(L, dtype=torch.long)
+    attn = drafter.attn_spec(anchors, zeros[: len(anchors)], zeros)
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        h = drafter(feats, torch.arange(L), emb, pos.flatten(), attn)                           # [N*B, H]
+        logits = target.get_output_embeddings()(h).view(len(anchors), B, V)[:, 1:]             # [N, B-1, V]
+        loss = torch.nn.functional.cross_entropy(logits[valid], labels[valid])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter
+
+
+def test_spec_generate_equals_target_greedy(build_drafter, tiny_qwen3_dir, tmp_path):
+    """The exported folder's own spec_generate (AutoModel, trust_remote_code) returns exactly the target's greedy
+    output, prompt included, for an untrained (bf16) and a trained (fp32) drafter, with and without a stop token;
+    the trained one commits several tokens per step, so the accept / crop / commit path runs, not only a=0."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    input_ids = torch.randint(0, 127, (1, 12), generator=torch.Generator().manual_seed(0))
+    N = 40
+    want = greedy_reference(target, input_ids, N)
+    assert want.shape == (1, 12 + N)
+    gen = want[0, 12:].tolist()
+    stop = next(t for i, t in enumerate(gen) if i >= 8 and t not in gen[:i])   # first seen at index i >= 8
+    want_stop = greedy_reference(target, input_ids, N, stop=[stop])
+    assert want_stop.shape[1] == 12 + gen.index(stop) + 1 and want_stop[0, -1] == stop
+
+    untrained = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
+    trained = overfit(build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4, seed=1), target, want[0], 12)
+    for name, d, dtype in [("untrained", untrained, torch.bfloat16), ("trained", trained, torch.float32)]:
+        draft = AutoModel.from_pretrained(export_drafter(d, tmp_path / name, dtype=dtype), trust_remote_code=True,
+                                          dtype="auto", local_files_only=True).eval()
+        got = draft.spec_generate(input_ids=input_ids, max_new_tokens=N, temperature=0.0, target=target,
+                                  stop_token_ids=None, return_stats=True)
+        assert torch.equal(got.output_ids, want), name
+        assert sum(got.acceptance_lengths) == N - 1 and got.num_output_tokens == N   # the first token: the prefill
+        tau = N / (len(got.acceptance_lengths) + 1)
+        assert (tau > 2.0) if name == "trained" else (tau < 1.5), (name, got.acceptance_lengths)
+        out = draft.spec_generate(input_ids=input_ids, max_new_tokens=N, temperature=0.0, target=target,
+                                  stop_token_ids=[stop])
+        assert torch.equal(out, want_stop), name
+        short = draft.spec_generate(input_ids=input_ids, max_new_tokens=7, temperature=0.0, target=target,
+                                    stop_token_ids=[stop])
+        assert torch.equal(short, want[:, : 12 + 7]), name                   # max_new_tokens caps a step
+
+
+def test_spec_generate_sampling_is_seeded_and_checks_its_input(build_drafter, tiny_qwen3_dir, tmp_path):
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    draft = AutoModel.from_pretrained(export_drafter(build_drafter(tiny_qwen3_dir), tmp_path / "d"),
+                                      trust_remote_code=True, dtype="auto", local_files_only=True).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 71]])
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(draft.spec_generate(input_ids=ids, max_new_tokens=30, temperature=1.0, target=target,
+                                        stop_token_ids=None))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert runs[0].shape == (1, 35) and torch.equal(runs[0][:, :5], ids)
+    with pytest.raises(ValueError, match=r"\[1, P\]"):
+        draft.spec_generate(input_ids=ids.repeat(2, 1), max_new_tokens=4, temperature=0.0, target=target,
+                            stop_token_ids=None)
