@@ -72,8 +72,8 @@ def test_export_loads_with_automodel_trust_remote_code(build_drafter, tiny_qwen3
     from model.objective import pack
     d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4, sliding_window_layers=1, sliding_window=16)
     out = export_drafter(d, tmp_path / "drafter")
-    assert sorted(p.name for p in out.iterdir()) == ["attention.py", "config.json", "drafter.py", "model.safetensors",
-                                                     "modeling_dflash.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "attention.py", "config.json", "drafter.py",
+                                                     "model.safetensors", "modeling_dflash.py"]
     m = AutoModel.from_pretrained(out, trust_remote_code=True, dtype="auto", local_files_only=True).eval()
     assert type(m).__name__ == "DFlashDraftModel" and {p.dtype for p in m.parameters()} == {torch.bfloat16}
     ours = load_drafter(out)
@@ -239,3 +239,32 @@ def test_spec_generate_sampling_is_seeded_and_checks_its_input(build_drafter, ti
     with pytest.raises(ValueError, match=r"\[1, P\]"):
         draft.spec_generate(input_ids=ids.repeat(2, 1), max_new_tokens=4, temperature=0.0, target=target,
                             stop_token_ids=None)
+
+
+# ---------------------------------------------------------------------------
+# The model card every export carries
+
+def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path):
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=8)
+    bare = (export_drafter(d, tmp_path / "bare") / "README.md").read_text()
+    assert "not recorded" in bare and "No evaluation ran" in bare and "base_model" not in bare
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / ("a" * 40)
+    fp = {"path": str(snapshot), "config_sha256": "c" * 64, "weights_sha256": "w" * 64}
+    ev = {"tau": 3.25, "lossless": True, "prompts": 80, "tau_by_category": {"math": 4.5, "chat": 2.0}}
+    card = (export_drafter(d, tmp_path / "full", target=snapshot, target_fingerprint=fp, step=1200,
+                           data={"rows": 5000, "content_hash": "cafe"}, evaluation=ev) / "README.md").read_text()
+    assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")          # the Hub's model-card metadata
+    cfg = d.config
+    for want in ["# DFlash drafter for Qwen/Qwen3-8B", "c" * 64, "w" * 64, "| block size | 8 ",
+                 f"| tapped target layers | {cfg.target_layer_ids} of 6", f"| mask token id | {cfg.mask_token_id} |",
+                 "| draft layers | 2 |", "| training steps | 1200 |", "| data rows | 5000 |", "**3.25** on 80 prompts, lossless",
+                 "| math | 4.50 |", "| chat | 2.00 |",
+                 "--model-path Qwen/Qwen3-8B", "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER",
+                 "--speculative-num-draft-tokens 8",
+                 """vllm serve Qwen/Qwen3-8B \\\n    --speculative-config '{"method": "dflash", "model": "DRAFTER", """
+                 """"num_speculative_tokens": 7}'""",
+                 "draft.spec_generate(input_ids=input_ids", "Not run here"]:
+        assert want in card, want
+    # a local target folder is named as given, with no Hub metadata
+    local = (export_drafter(d, tmp_path / "local", target="/models/my-target") / "README.md").read_text()
+    assert "base_model" not in local and "--model-path /models/my-target" in local
