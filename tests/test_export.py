@@ -268,3 +268,23 @@ def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path)
     # a local target folder is named as given, with no Hub metadata
     local = (export_drafter(d, tmp_path / "local", target="/models/my-target") / "README.md").read_text()
     assert "base_model" not in local and "--model-path /models/my-target" in local
+
+
+def test_model_card_quick_start_runs(build_drafter, tmp_path):
+    """The card's Transformers snippet, run as written (the folders, CPU and a short answer swapped in), gives the
+    target's greedy answer: a tiny Qwen3 with the real Qwen3 tokenizer and chat template as the target."""
+    import re
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from server import tiny_chat_model
+    target_dir = tiny_chat_model(tmp_path / "target")
+    out = export_drafter(build_drafter(target_dir, num_layers=1, block_size=4), tmp_path / "drafter",
+                         target=target_dir)
+    card = (out / "README.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", card, re.S)
+    code = code.replace('"DRAFTER"', repr(str(out))).replace('"cuda:0"', '"cpu"').replace("2048", "12")
+    ns = {}
+    exec(code, ns)
+    target, tok = AutoModelForCausalLM.from_pretrained(target_dir).eval(), AutoTokenizer.from_pretrained(target_dir)
+    want = target.generate(input_ids=ns["input_ids"], attention_mask=torch.ones_like(ns["input_ids"]),
+                           max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    assert ns["input_ids"].shape[1] > 10 and torch.equal(ns["output"], want)

@@ -156,3 +156,20 @@ def test_default_name_is_the_model_argument(model_dir):
         status, body = post(u, "/v1/completions", {"model": str(model_dir), "prompt": "A", "max_tokens": 1,
                                                    "temperature": 0})
         assert status == 200 and body["model"] == str(model_dir)
+
+
+def test_regenerate_reads_its_answers(url, local, tmp_path):
+    """data/regenerate.py --endpoint against this server: the greedy answer of transformers' generate comes back."""
+    import json
+    from data import regenerate
+    tok = local[1]
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "regen.jsonl"
+    inp.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "Name three rivers."}]}) + "\n")
+    regenerate.main(["--input", str(inp), "--output", str(out), "--endpoint", url, "--served-model", NAME,
+                     "--max-new-tokens", "10", "--temperature", "0", "--thinking", "off", "--retries", "1"])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three rivers."}], tokenize=False,
+                                     add_generation_prompt=True, enable_thinking=False)
+    _, want, eos = reference(local, prompt, 10, special_tokens=False)
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["messages"][-1] == {"role": "assistant", "content": tok.decode(want, skip_special_tokens=True).strip()}
+    assert row["finish_reasons"] == ["stop" if eos else "length"]
