@@ -124,7 +124,12 @@ class Generator:
 
     def generate(self, text, s, special_tokens) -> tuple[int, list[tuple[str, str, int]]]:
         """A prompt's text and sampling settings -> (prompt tokens, n x (text, finish_reason, completion tokens)).
-        special_tokens: let the tokenizer add its BOS (vLLM does for a raw prompt, not for a rendered template)."""
+        special_tokens: let the tokenizer add its BOS (vLLM does for a raw prompt, not for a rendered template).
+        All of it under the lock: a fast tokenizer used from two threads at once can fail ("Already borrowed")."""
+        with self.lock, torch.no_grad():
+            return self._generate(text, s, special_tokens)
+
+    def _generate(self, text, s, special_tokens):
         ids = self.tok(text, add_special_tokens=special_tokens, return_tensors="pt")["input_ids"].to(self.model.device)
         P = ids.shape[1]
         room = self.max_model_len - P
@@ -139,11 +144,10 @@ class Generator:
                                temperature=None if greedy else s["temperature"], top_p=None if greedy else s["top_p"],
                                top_k=None if greedy else 0, eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0])
         criteria = StoppingCriteriaList([StopOnText(self.tok, s["stop"], P)] if s["stop"] else [])
-        with self.lock, torch.no_grad():
-            if s["seed"] is not None:
-                torch.manual_seed(s["seed"])      # under the lock: the global RNG is this request's alone
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen,
-                                      stopping_criteria=criteria)[:, P:].tolist()
+        if s["seed"] is not None:
+            torch.manual_seed(s["seed"])          # under the lock: the global RNG is this request's alone
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen,
+                                  stopping_criteria=criteria)[:, P:].tolist()
         return P, [self.finish(row, s["stop"]) for row in out] * (s["n"] if greedy else 1)
 
     def finish(self, row, stops) -> tuple[str, str, int]:
