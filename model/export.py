@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.drafter import Drafter, DrafterConfig
+from model.target import HUB_ID
 
 MODEL_DIR = Path(__file__).resolve().parent
 REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py")   # copied into every export, as they are
@@ -92,7 +93,6 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, 
 # The model card
 
 HUB_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")   # a Hugging Face cache folder
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def target_name(target) -> str | None:
