@@ -79,7 +79,8 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, 
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for name in REMOTE_CODE:
         shutil.copyfile(MODEL_DIR / name, tmp / name)
-    (tmp / "README.md").write_text(model_card(drafter.config, dtype, target, target_fingerprint, step, data, evaluation))
+    card = model_card(drafter.config, dtype, target, target_fingerprint, step, data, evaluation)
+    (tmp / "README.md").write_text(card)
     # os.replace cannot overwrite a non-empty folder: move the old one aside first, drop it after the swap
     old = out.with_name(f"{out.name}.old{os.getpid()}")
     if out.exists():
@@ -180,9 +181,9 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
               "(spec_generate returns exactly the target's greedy `generate` output), and that config.json carries "
               "the keys SGLang's and vLLM's DFlash loaders read, with the types they check.",
               "- Not run here: SGLang and vLLM themselves. Their flags are as documented in z-lab/dflash's README "
-              "(SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path`, `--speculative-num-draft-tokens` "
-              "= block size; vLLM `--speculative-config` with `\"method\": \"dflash\"` and `num_speculative_tokens` "
-              "= block size - 1). Older SGLang builds read only `dflash_config.mask_token` (a string, default "
+              "(SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path`, "
+              "`--speculative-num-draft-tokens` = block size; vLLM `--speculative-config` with "
+              "`\"method\": \"dflash\"` and `num_speculative_tokens` = block size - 1). Older SGLang builds read only `dflash_config.mask_token` (a string, default "
               "`<|MASK|>`), not `mask_token_id`; use one that reads `dflash_config.mask_token_id`.", ""]
     return "\n".join(lines)
 

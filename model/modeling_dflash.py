@@ -55,16 +55,17 @@ class DFlashDraftModel(PreTrainedModel):
         this drafter was trained on). input_ids [1, P] on the target's device -> [1, P + n] the prompt and n <=
         max_new_tokens new tokens, cut after the first of stop_token_ids. temperature 0: greedy, exactly the target's
         own greedy output; > 0: each committed token is sampled from the target (a draft token is kept when it equals
-        the target's sample at its slot). return_stats: a SimpleNamespace(output_ids, num_input_tokens, num_output_tokens,
-        acceptance_lengths) as z-lab's dflash_generate returns, acceptance_lengths the tokens committed per verify step
-        (tau = their mean)."""
+        the target's sample at its slot). return_stats: a SimpleNamespace(output_ids, num_input_tokens,
+        num_output_tokens, acceptance_lengths) as z-lab's dflash_generate returns, acceptance_lengths the tokens
+        committed per verify step (tau = their mean)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate decodes one prompt: input_ids must be [1, P], got {list(input_ids.shape)}")
         tc = target.config.get_text_config()
         cfg = self.drafter.config
         if (tc.hidden_size, tc.num_hidden_layers) != (cfg.hidden_size, cfg.num_target_layers):
             raise ValueError(f"this drafter reads a {cfg.num_target_layers}-layer target of hidden size "
-                             f"{cfg.hidden_size}; the target given has {tc.num_hidden_layers} layers of {tc.hidden_size}")
+                             f"{cfg.hidden_size}; the target given has {tc.num_hidden_layers} layers of "
+                             f"{tc.hidden_size}")
         dev, P, B = input_ids.device, input_ids.shape[1], self.block_size
         stops = set(stop_token_ids or [])
         embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()

@@ -1,5 +1,5 @@
-"""Test helpers for the server path: a tiny chat model with the real Qwen3 tokenizer and chat template, tools.serve_openai
-started as a real process on 127.0.0.1 (`serving`), and JSON over HTTP (`get`, `post`)."""
+"""Test helpers for the server path: a tiny chat model with the real Qwen3 tokenizer and chat template,
+tools.serve_openai started as a real process on 127.0.0.1 (`serving`), and JSON over HTTP (`get`, `post`)."""
 import contextlib
 import json
 import lzma

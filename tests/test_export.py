@@ -257,7 +257,8 @@ def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path)
     cfg = d.config
     for want in ["# DFlash drafter for Qwen/Qwen3-8B", "c" * 64, "w" * 64, "| block size | 8 ",
                  f"| tapped target layers | {cfg.target_layer_ids} of 6", f"| mask token id | {cfg.mask_token_id} |",
-                 "| draft layers | 2 |", "| training steps | 1200 |", "| data rows | 5000 |", "**3.25** on 80 prompts, lossless",
+                 "| draft layers | 2 |", "| training steps | 1200 |", "| data rows | 5000 |",
+                 "**3.25** on 80 prompts, lossless",
                  "| math | 4.50 |", "| chat | 2.00 |",
                  "--model-path Qwen/Qwen3-8B", "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER",
                  "--speculative-num-draft-tokens 8",
