@@ -183,7 +183,8 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
               "- Not run here: SGLang and vLLM themselves. Their flags are as documented in z-lab/dflash's README "
               "(SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path`, "
               "`--speculative-num-draft-tokens` = block size; vLLM `--speculative-config` with "
-              "`\"method\": \"dflash\"` and `num_speculative_tokens` = block size - 1). Older SGLang builds read only `dflash_config.mask_token` (a string, default "
+              "`\"method\": \"dflash\"` and `num_speculative_tokens` = block size - 1). "
+              "Older SGLang builds read only `dflash_config.mask_token` (a string, default "
               "`<|MASK|>`), not `mask_token_id`; use one that reads `dflash_config.mask_token_id`.", ""]
     return "\n".join(lines)
 
