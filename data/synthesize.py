@@ -417,7 +417,7 @@ def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
     was = old["config"]
     if "model_weights" not in was:
         print(f"synthesize: note: {path} predates the weights' fingerprint; the rows are taken as made by the "
-              f"weights of --model (its config.json matches), whose fingerprint is recorded from now on",
+              f"weights of --model (its config.json must still match), whose fingerprint is recorded from now on",
               file=sys.stderr)
         was["model_weights"] = config["model_weights"]
     diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
@@ -534,9 +534,10 @@ def run(args, argv) -> dict:
             F.count(stats[s], row, reason)
     want = targets(args, {s: stats[s]["kept"] for s in STREAMS})
     if want != targets(args):
-        print(f"synthesize: note: the mix stream already holds {stats['mix']['kept']:,} rows (an earlier run had "
-              f"another --mix-ratio): this run makes only what adds up to --num {args.num:,} (self {want['self']:,}, "
-              f"mix {want['mix']:,})", file=sys.stderr)
+        print(f"synthesize: note: {args.out} holds self {stats['self']['kept']:,}, mix {stats['mix']['kept']:,} rows, "
+              f"one stream more than --mix-ratio {args.mix_ratio:g} gives it (an earlier run had another): this run "
+              f"makes only what adds up to --num {args.num:,} (self {want['self']:,}, mix {want['mix']:,})",
+              file=sys.stderr)
     nxt = {s: stream_of(rows[-1])[1] + 1 if rows else 0 for s, rows in written.items()}
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []

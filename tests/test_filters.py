@@ -54,7 +54,8 @@ def test_outputs_that_are_the_input_are_refused(tmp_path, capsys):
     for argv, says in (
             (["--out", str(tmp_path / "link.jsonl")], "is the input"),
             (["--out", str(tmp_path / "o.jsonl"), "--stats", str(inp)], "--stats .* is the input"),
-            (["--out", str(tmp_path / "o.jsonl"), "--stats", str(tmp_path / "o.jsonl")], "are the same file")):
+            (["--out", str(tmp_path / "o.jsonl"), "--stats", str(tmp_path / "o.jsonl")], "are the same file"),
+            (["--out", str(tmp_path)], "is a folder")):
         with pytest.raises(SystemExit) as e:
             F.main([str(inp), *argv])
         assert e.value.code == 2

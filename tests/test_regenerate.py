@@ -124,7 +124,7 @@ def test_an_output_that_is_not_regenerate_output_is_refused(tmp_path):
         assert out.read_text() == json.dumps(obj)
     before = inp.read_bytes()
     (tmp_path / "link.jsonl").hardlink_to(inp)
-    for out in (inp, tmp_path / "link.jsonl"):
+    for out in (inp, tmp_path / "link.jsonl", tmp_path):   # the input, a hard link to it, a folder
         with pytest.raises(SystemExit) as e:
             regen.main(["--input", str(inp), "--output", str(out), *server])
         assert e.value.code == 2 and inp.read_bytes() == before
