@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from collections import deque
+from collections import Counter, deque
 
 from data import filters as F
 from data import resume
@@ -517,7 +517,13 @@ def run(args, argv) -> dict:
     tok = load_tokenizer(args.model)
     config = run_config(args, tok)
     written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
-    for row in read_back(args.out) + read_back(rejected_path(args.out)):
+    back = read_back(args.out) + read_back(rejected_path(args.out))
+    twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
+    if twice:   # two runs wrote at once (before OUT.lock): counting the copies as rows would overshoot --num
+        raise SystemExit(f"synthesize: {args.out} and its rejected file hold {len(twice):,} id(s) more than once (e.g. "
+                         f"{twice[0]}): two runs wrote them at once. Keep the first row of each id in both files, "
+                         f"then run again")
+    for row in back:
         written[stream_of(row)[0]].append(row)
     for rows in written.values():
         rows.sort(key=lambda r: stream_of(r)[1])

@@ -605,3 +605,15 @@ def test_stops_and_kills_resume_into_one_runs_files(tmp_path, qwen3_dir, scripte
     assert done.returncode == 0 and "names a run that is gone" not in done.stderr, done.stderr
     syn.main([a if a != str(out) else str(one) for a in argv])
     assert by_id(out) == by_id(one) and by_id(syn.rejected_path(out)) == by_id(syn.rejected_path(one))
+
+
+def test_rows_written_twice_are_refused_not_counted(tmp_path, qwen3_dir, scripted):
+    """A file two runs wrote at once (before the lock) holds ids twice: a resume names them instead of counting the
+    copies as rows."""
+    out = tmp_path / "s.jsonl"
+    synth(qwen3_dir, out, 6)
+    out.write_bytes(out.read_bytes() + out.read_bytes().splitlines(keepends=True)[2])
+    before = out.read_bytes()
+    with pytest.raises(SystemExit, match="hold 1 id\\(s\\) more than once .*Keep the first row of each id"):
+        synth(qwen3_dir, out, 10)
+    assert out.read_bytes() == before
