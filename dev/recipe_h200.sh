@@ -25,7 +25,7 @@ if [ "$SMOKE" = 1 ]; then
     NUM_A=${NUM_A:-12}; NUM_B1=${NUM_B1:-10}; NUM_B2=${NUM_B2:-2}; SLOTS=8; NEW=16; STEPS=${STEPS:-4}; BUDGET=512
     ANCHORS=16; LAYERS=1; DEV=cpu; DT=float32; EVAL_NEW=16; LIM=(--limit 4); LOG_EVERY=1
 else
-    NUM_A=${NUM_A:-20000}; NUM_B1=${NUM_B1:-16000}; NUM_B2=${NUM_B2:-4000}; SLOTS=2048; NEW=384; STEPS=${STEPS:-1200}
+    NUM_A=${NUM_A:-16000}; NUM_B1=${NUM_B1:-12800}; NUM_B2=${NUM_B2:-3200}; SLOTS=2048; NEW=384; STEPS=${STEPS:-1200}
     BUDGET=8192; ANCHORS=4096; LAYERS=5; DEV=cuda; DT=bfloat16; EVAL_NEW=128; LIM=(); LOG_EVERY=100
 fi
 T0=$(date +%s)
@@ -48,7 +48,7 @@ gen_one() {   # gen_one NAME NUM OPENERS SEED TURNS
     timeout -s TERM "${GEN_SECONDS:-100000}" $PY -m data.synthesize --model "$SMOL" --num "$2" --out "$f" --seed "$4" \
         --turns "$5" --mix data/default/train_prompts.jsonl --mix-ratio 0.02 --max-new-tokens "$NEW" --prompt-tokens 128 \
         --openers "$3" --temperature 0 --prompt-temperature 1.0 --batch-size "$SLOTS" --attention matmul \
-        --device "$DEV" --dtype "$DT" 2>&1 | tr '\r' '\n' | grep -v "%|" | tail -6 || say "$1 stopped (rc $?): rerun to go on"
+        $( [ "$SMOKE" = 1 ] || echo --compile-sampler ) --device "$DEV" --dtype "$DT" 2>&1 | tr '\r' '\n' | grep -v "%|" | tail -6 || say "$1 stopped (rc $?): rerun to go on"
     say "$1: $(wc -l < "$f") rows"
     cp "$f.stats.json" "$OUT/gen_stats_$1.json" 2>/dev/null || true
 }
