@@ -313,3 +313,12 @@ def test_step_timing_restarts_every_run(tiny_llama_dir):
         ms = count_ops.time_steps(fast, d, 6)
         assert set(ms) == {"greedy", "speculative"} and all(v > 0 for v in ms.values())
         assert len(count_ops.PROMPT) + 1 <= int(fast.start) <= len(count_ops.PROMPT) + B
+
+
+def test_fast_decoder_names_the_supported_families_for_a_gpt2():
+    """A GPT-2 has no decoder `.layers`: the family check comes before any module is read, so the message names
+    the supported families and the fallback instead of an AttributeError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of .*--method decode"):
+        FastDecoder(model, max_len=32)
