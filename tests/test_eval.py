@@ -1,6 +1,7 @@
 """eval_dflash: the verify/accept/commit loop against plain greedy decoding, oracle and wrong proposers, DDTree, the
-drafter's context KV cache, the context limit, several drafters sharing one reference, --workers, and the CLI on
-SmolLM2."""
+drafter's context KV cache, the context limit, several drafters sharing one reference, --workers, the CLI on
+SmolLM2; per-category and macro tau against a slow reference, prompt rows checked before the target loads, multi-turn
+rows with answer placeholders; tools.tau_diff."""
 import gzip
 import json
 import re
