@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from data.engine import Engine, default_stop_ids, load_model
+from model.engine import Engine, default_stop_ids, load_model
 
 # name: transformers config class, its fields (random weights; only the shape matters for speed)
 SHAPES = {

@@ -183,7 +183,7 @@ class LocalBackend:
     def __init__(self, path, device, dtype, max_new_tokens, temperature, thinking, seed, engine="fast", slots=0,
                  max_len=4096):
         import torch
-        from data.engine import Engine, auto_slots, default_stop_ids, load_model
+        from model.engine import Engine, auto_slots, default_stop_ids, load_model
         self.torch = torch
         self.model, self.tok = load_model(path, device, dtype)
         self.device, self.max_new, self.temperature, self.thinking = (

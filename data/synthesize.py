@@ -69,7 +69,7 @@ from collections import deque
 
 from data import filters as F
 from data.chat import end_of_turn, render, template_hash
-from data.engine import Request
+from model.engine import Request
 from data.regenerate import read_prompts, row_id
 
 ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
@@ -364,7 +364,7 @@ class Synth:
 
 def load_engine(args, max_len):
     """-> (engine, model); the model is only read for its generation config (tests replace this)."""
-    from data.engine import Engine, load_model
+    from model.engine import Engine, load_model
     model, _ = load_model(args.model, device=args.device, dtype=args.dtype)  # the tokenizer is load_tokenizer's
     try:
         return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed,

@@ -52,7 +52,7 @@ the drafter's pieces bit for bit on the CPU). The verify of B tokens runs the gr
 import torch
 import torch.nn.functional as F
 
-from data.engine import check_supported, rope_tables
+from model.engine import check_supported, rope_tables
 from model import drafter as drafter_lib
 from model.drafter import rope_cos_sin
 

@@ -10,7 +10,7 @@ from conftest import SMOLLM2_DIR
 from data import regenerate as regen
 from collections import deque
 
-from data.engine import Engine, Request, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
+from model.engine import Engine, Request, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
 
 
 
