@@ -25,6 +25,9 @@ JOBS = {
     "t1d2_fsdp": (3, {"GRAD_ACCUM": 2, "DRAFTER_SHARDING": "fsdp"}),
     "one_exp_noise": (1, {"LOSS_WEIGHTING": "exp", "NOISE": 0.05, "CE_CHUNK": 16, "GRAD_ACCUM": 2}),
 }
+# checkpoint entries drawn from OS entropy at process start (nothing seeds Python's or NumPy's global RNG, and nothing
+# in training draws from them): they differ between any two runs of one commit, so they are not compared
+UNSEEDED = ("state.rng.python", "state.rng.numpy")
 # metrics keys measured in time (or queue depths, which depend on timing): not compared
 TIMING = {"time", "elapsed_s", "tgt_mb_s", "dft_mb_s", "tok_s", "eta_s", "q_pre", "q_hs", "eval_s",
           "target_capacity_tok_s", "drafter_capacity_tok_s", "recommended_split"}
@@ -78,6 +81,9 @@ def flatten(prefix, obj) -> dict:
 
 
 def same(a, b) -> bool:
+    import numpy as np
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
             a.shape == b.shape and torch.equal(a, b)
@@ -94,7 +100,8 @@ def compare(ref: Path, new: Path) -> int:
             diffs.append(f"{len(rows[0])} rows != {len(rows[1])} rows")
         ta, tb = checkpoint_tensors(ref / name), checkpoint_tensors(new / name)
         diffs += [f"{k} only in one" for k in sorted(ta.keys() ^ tb.keys())]
-        diffs += [f"{k} differs" for k in sorted(ta.keys() & tb.keys()) if not same(ta[k], tb[k])]
+        diffs += [f"{k} differs" for k in sorted(ta.keys() & tb.keys())
+                  if not k.startswith(UNSEEDED) and not same(ta[k], tb[k])]
         n_t = sum(isinstance(v, torch.Tensor) for v in ta.values())
         print(f"{name}: {len(rows[0])} metrics rows, {n_t} checkpoint tensors ({ta['checkpoint']}): "
               + ("SAME" if not diffs else "DIFFERENT\n  " + "\n  ".join(diffs[:20])))

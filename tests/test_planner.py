@@ -62,7 +62,7 @@ def test_bench_fixed_shapes_in_process(capsys):
     assert 6 * 3 <= d["supervised_rows_per_step"] <= 8 * 3        # B-1 slots each, fewer at a sequence's end
     assert d["tok_s"] == pytest.approx(d["samples_s"] * 64)                          # 4 x 64 tokens
     assert "| drafter | ms per step" in capsys.readouterr().out
-    assert td.MAX_ANCHORS == 2048 and td.TOKEN_BUDGET == 16384, "the bench puts the trainer's constants back"
+    assert td.MAX_ANCHORS == 2048 and td.TOKEN_BUDGET == 16384, "the bench never writes the trainer's constants"
 
 
 def test_pipeline_two_ranks_on_cpu(tmp_path):
