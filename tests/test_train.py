@@ -382,3 +382,62 @@ def test_data_of_another_tokenizer_or_template_is_refused(tmp_path):
     assert r.returncode != 0 and f"TARGET={target} has another one ({tokenizer_hash(tok)[:12]})" in r.stderr, \
         r.stdout[-2000:] + r.stderr[-2000:]
     assert "load data" not in r.stdout and "Traceback" not in r.stderr
+
+
+# --- trackers (TENSORBOARD, WANDB_PROJECT) --------------------------------------------------------------------------
+
+def test_a_missing_tracker_package_is_an_error_naming_its_install(monkeypatch):
+    import builtins
+    import status
+    real = builtins.__import__
+
+    def no_trackers(name, *a, **kw):
+        if name in ("wandb", "torch.utils.tensorboard"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_trackers)
+    errs = status.check_trackers(True, "myproj")
+    assert len(errs) == 2 and "pip install tensorboard" in errs[0] and "pip install wandb" in errs[1], errs
+    assert status.check_trackers(False, "") == []
+
+
+FAKE_WANDB = '''
+import json, os
+util = type("util", (), {"generate_id": staticmethod(lambda: "fresh1")})
+class Run:
+    def log(self, nums, step): pass
+def init(**kw):
+    with open(os.path.join(kw["dir"], "fake_wandb_inits.jsonl"), "a") as f:
+        f.write(json.dumps({"id": kw["id"], "resume": kw["resume"], "project": kw["project"]}) + "\\n")
+    return Run()
+'''
+
+
+def test_wandb_run_id_is_kept_in_out_dir_and_reused_on_resume(tmp_path, monkeypatch):
+    import status
+    (tmp_path / "pkgs").mkdir()
+    (tmp_path / "pkgs" / "wandb.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {"TENSORBOARD": False, "WANDB_PROJECT": "p"}
+    status.Metrics(out, config)
+    assert (out / status.WANDB_ID_FILE).read_text().strip() == "fresh1"
+    (out / status.WANDB_ID_FILE).write_text("kept7\n")     # a resume reads the id the first run wrote
+    status.Metrics(out, config)
+    inits = [json.loads(l) for l in (out / "fake_wandb_inits.jsonl").read_text().splitlines()]
+    assert inits == [{"id": "fresh1", "resume": "allow", "project": "p"}, {"id": "kept7", "resume": "allow",
+                                                                            "project": "p"}]
+
+
+@pytest.mark.job
+def test_a_missing_wandb_stops_the_job_before_any_model_loads(assets, tmp_path, monkeypatch):
+    import runs
+    target, data = assets
+    (tmp_path / "pkgs").mkdir()
+    (tmp_path / "pkgs" / "wandb.py").write_text("raise ImportError('No module named wandb (fake)')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pkgs"))
+    r = runs.run(1, runs.base_args(target, data, tmp_path / "out", WANDB_PROJECT="p", MAX_STEPS=1))
+    assert r.returncode != 0 and "pip install wandb" in r.stderr, r.stderr[-2000:]
+    assert "load target" not in r.stdout and "load data" not in r.stdout, r.stdout[-2000:]
