@@ -542,10 +542,10 @@ def main(argv):
         drafter, model, opt, embed, head_w = build_drafter(d, dcfg, target, resume_path, watchdog, step_cfg)
         pre_stats = {}
         feed = start_feed(d, data, sched, target, dcfg, watchdog, pre_stats, step_cfg)
-        train(Run(d=d, dcfg=dcfg, config=config, step_cfg=step_cfg, data=data, sched=sched, drafter=drafter, model=model, opt=opt,
-                  embed=embed, head_w=head_w, feed=feed, pre_stats=pre_stats, watchdog=watchdog, stop_flag=stop_flag,
-                  eval_setup=eval_setup, ck_root=ck_root, fingerprint=fingerprint, step=rp.step, step0=rp.step,
-                  total_steps=total_steps))
+        train(Run(d=d, dcfg=dcfg, config=config, step_cfg=step_cfg, data=data, sched=sched, drafter=drafter,
+                  model=model, opt=opt, embed=embed, head_w=head_w, feed=feed, pre_stats=pre_stats, watchdog=watchdog,
+                  stop_flag=stop_flag, eval_setup=eval_setup, ck_root=ck_root, fingerprint=fingerprint, step=rp.step,
+                  step0=rp.step, total_steps=total_steps))
         log_peak_memory(d)
         finish(d, watchdog, code=0)
     except SystemExit as e:
@@ -559,7 +559,8 @@ def main(argv):
             reason = (f"CUDA out of memory on {d.device}: {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, "
                       f"{torch.cuda.memory_reserved() / gib:.1f} GiB reserved of "
                       f"{torch.cuda.get_device_properties(d.device).total_memory / gib:.1f} GiB. Lower MAX_ANCHORS "
-                      f"(now {MAX_ANCHORS}), TOKEN_BUDGET (now {TOKEN_BUDGET}) or MAX_BATCH_SIZE (now {MAX_BATCH_SIZE})")
+                      f"(now {MAX_ANCHORS}), TOKEN_BUDGET (now {TOKEN_BUDGET}) or MAX_BATCH_SIZE (now "
+                      f"{MAX_BATCH_SIZE})")
         fail(watchdog, reason, traceback.format_exc())
 
 

@@ -51,6 +51,7 @@ def test_load_init_from_gives_the_exported_weights_and_logits(assets, tmp_path, 
                            ref(feats, torch.arange(9), emb, torch.arange(9, 13), attn))
 
 
+@pytest.mark.job
 def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, monkeypatch):
     """A real one-process run with INIT_FROM: its step-1 loss (computed before the first update) equals the loss of
     the exported drafter on the same micro-batch, and not that of the trainer's own random init. Then, with a
@@ -94,6 +95,7 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     assert "INIT_FROM: drafter weights from" not in r.stdout
 
 
+@pytest.mark.job
 def test_init_from_of_another_shape_is_refused_before_any_model_loads(assets, tmp_path):
     """An export for another target and drafter shape: one error naming each setting with both values, before
     any model loads: the target's weights here are garbage, so loading them would fail differently."""
