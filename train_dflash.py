@@ -65,7 +65,8 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 
 # --- objective ------------------------------------------------------------------------------------------------------
 MAX_ANCHORS = 2048          # blocks per micro-batch (anchors sampled without replacement, fresh every step); 125 per
-                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md section 6: density at equal GPU time)
+                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md section 6: density at equal GPU time).
+                            # SpecForge's num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
 LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 6)

@@ -814,8 +814,8 @@ def _gib(b):
 
 
 def work_density(anchors, batch, seq) -> str:
-    """The drafter's work per token, which every throughput figure must be read at: MAX_ANCHORS counts blocks per
-    micro-batch, SpecForge's num_anchors counts them per sequence (x sequences per micro-batch = MAX_ANCHORS)."""
+    """The drafter's work per token, which every throughput figure must be read at, in both units (train_dflash.py's
+    MAX_ANCHORS comment)."""
     return f"{1e3 * anchors / (batch * seq):.0f} blocks/1K tok = SpecForge num_anchors {anchors / batch:.0f}/seq"
 
 
