@@ -143,6 +143,7 @@ def constants() -> SimpleNamespace:
 
 
 def check_config(world: int) -> None:
+    """settings.check_config on the constants as they are now (Dist runs it on every rank)."""
     settings.check_config(constants(), world)
 
 

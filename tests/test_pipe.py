@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import checkpoint as ckpt
 from pipe import BusyClock, Prefetcher, TargetAhead
