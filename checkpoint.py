@@ -44,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from model.drafter import Drafter
+
 PREFIX = "step_"
 SHARDS = "shards"           # the DCP folder of a sharded checkpoint
 
@@ -455,3 +457,23 @@ def environment_notes(meta: dict, split: list[int], start_g: int) -> list[str]:
         notes.append(f"NOTE: checkpoint split {meta.get('split')} -> now {split[0]} targets : {split[1]} drafters; "
                      f"continuing from the same data position (micro-batch {start_g})")
     return notes
+
+
+def write_run_info(out_dir, config, world, split, data, dcfg, fingerprint, resume_path):
+    """OUT_DIR/run.json: what reproduces the run (settings, environment, split, data, drafter, target)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_info = {"config": config, "env": environment(), "world": world, "split": split,
+                "drafter": dcfg.__dict__, "data": {"rows": data.num_rows, "trainable": len(data.rows),
+                                                   "dropped": data.dropped, "content_hash": data.content_hash,
+                                                   "num_batches": data.plan.num_batches},
+                "target": fingerprint, "resumed_from": str(resume_path) if resume_path else None, "time": time.time()}
+    (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
+
+
+def whole_drafter(dcfg, state, device) -> Drafter:
+    """A sharded drafter's gathered state as one plain Drafter on `device`, for the master's evaluation (the FSDP2
+    module's forward is a collective of every drafter rank)."""
+    with torch.device("meta"):
+        drafter = Drafter(dcfg)
+    drafter.load_state_dict(state, assign=True)
+    return drafter.to(device)

@@ -74,7 +74,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from data.chat import render
-from data.engine import SUPPORTED
+from model.engine import SUPPORTED
 from model.drafter import DrafterCache
 from model.export import load_drafter
 from model.fastdecode import FastDecoder

@@ -1,5 +1,5 @@
 """The drafter's AdamW, one parameter group pair per chunk of the forward (fc + hidden_norm, each layer, the final
-norm), and on a GPU its step overlapped with the next forward.
+norm), and on a GPU its step overlapped with the next forward; the LR schedule (`lr_at`).
 
 A drafter step is GPU-bound, and AdamW over ~1B fp32 parameters is ~11 ms of memory-bound kernels between one
 backward and the next forward (BENCHMARKS.md). With `overlap` the step runs on a side stream chunk by chunk in
@@ -11,8 +11,20 @@ arithmetic is the same fused AdamW kernel on the same tensors: results are bitwi
 Whoever reads the parameters outside the drafter's forward (checkpoints, evaluation, export, the DDP checksum)
 calls wait_all() first.
 """
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
+
+
+def lr_at(g, planned_g, peak_lr, warmup_ratio) -> float:
+    """The LR at micro-batch g of a run planned over planned_g micro-batches: linear warmup over the first
+    warmup_ratio of them, then cosine to 0. A function of data progress, so any target:drafter split and any resume
+    point give the same LR at the same g."""
+    warm = warmup_ratio * planned_g
+    if g < warm:   # capped: a warmup shorter than one optimizer step (fractional warm) must not overshoot LR
+        return peak_lr * min(1.0, (g + 1) / warm)
+    return peak_lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, planned_g - warm))))
 
 
 def param_chunks(drafter) -> list[list[torch.nn.Parameter]]:

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -627,3 +628,56 @@ class Watchdog(threading.Thread):
         for r, k in zip(ranks, keys):
             out[r] = json.loads(self.store.get(k)) if self.store.check([k]) else None
         return out
+
+
+# --- ending the job ------------------------------------------------------------------------------------------------
+
+SECOND_SIGNAL_S = 2.0   # a signal this long after the first ends the job now; sooner it is the same one, forwarded
+
+
+def fail(watchdog, reason, detail=""):
+    """End the job (every rank, through the watchdog) with one line saying why."""
+    if watchdog:
+        watchdog.fail(reason, detail)
+    print(detail, file=sys.stderr)
+    sys.exit(f"error: {reason}")
+
+
+def on_signals(who, watchdog, ck_root, log) -> threading.Event:
+    """SIGTERM / SIGINT set the returned flag, acted on at the next optimizer step boundary; a second one (more than
+    SECOND_SIGNAL_S later) ends the job now. who: the rank's log prefix."""
+    stop_flag = threading.Event()
+    first_signal = []   # when the first one came
+
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        # the second one ends the job: the next step may never come (a stuck rank, a wait on input). One Ctrl-C
+        # reaches a rank twice, from the terminal and forwarded by torchrun a moment later: that is still the first.
+        if first_signal and time.monotonic() - first_signal[0] > SECOND_SIGNAL_S:
+            fail(watchdog, f"got a second {name}: ending now, without a checkpoint; RESUME=auto continues from the "
+                           f"newest complete one in {ck_root}")
+        if first_signal:
+            return
+        first_signal.append(time.monotonic())
+        stop_flag.set()
+        log(f"{who} got {name}: saving a checkpoint at the next step (send it again to end now)")
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop_flag
+
+
+def finish(d, watchdog, code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if d.colocated:
+        sys.exit(code)
+    if d.is_master:
+        watchdog.finished()   # tells every rank to exit, waits for them, exits 0
+    wait_done(d, watchdog)
+
+
+def wait_done(d, watchdog):
+    """Non-master ranks idle here until the master has saved; their watchdog then exits them with code 0."""
+    watchdog.state = "finished; waiting for the master's last checkpoint"
+    while True:
+        time.sleep(1)

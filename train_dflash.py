@@ -6,17 +6,15 @@ docs/ALGORITHM.md; the route of a micro-batch and the role of each file: ARCHITE
     bash launch.sh                                                     # the usual way (tmux, log, allocator)
     torchrun --nproc-per-node 8 train_dflash.py --TARGET=/models/Qwen3-8B --DATA=/data/prepared --TARGET_RANKS=5
     python train_dflash.py --MAX_STEPS=20                              # one process: target and drafter in turn
+    python train_dflash.py --help                                      # the constants below, grouped, with comments
 
-Every constant below can be overridden as --NAME=VALUE. The final values are printed, saved in OUT_DIR/run.json
-and in every checkpoint.
+Every constant below can be overridden as --NAME=VALUE (settings.py checks them). The final values are printed,
+saved in OUT_DIR/run.json and in every checkpoint.
 """
 import contextlib
-import difflib
 import functools
 import json
-import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -24,10 +22,10 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,15 +34,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import checkpoint as ckpt
 import eval_dflash
 import planner
+import settings
 from data.loader import Data, DataError, Schedule, read_stats, tokenizer_mismatches
 from model import fp8
-from model.attention import set_flex_kernel_options, static_lengths, warmup_flex_attention
-from model.drafter import COMPILE_MODES, Drafter, DrafterConfig, compile_drafter
+from model.attention import set_flex_kernel_options, warmup_flex_attention
+from model.drafter import Drafter, DrafterConfig, compile_drafter
 from model.export import export_drafter
-from model.objective import block_metrics, dpace_reweight, micro_seed, prepare, weighted_ce
-from model.target import (DEFAULT_TARGET, Target, check_mask_token_id, default_mask_token_id, load_frozen_io)
-from optim import make_optimizer, scale_clip_
-from pipe import BusyClock, Prefetcher, Replica, Sender, StopPoint, TargetAhead, Watchdog, produce, receive
+from model.target import Target, load_frozen_io
+from optim import lr_at, make_optimizer
+from pipe import (BusyClock, Prefetcher, Replica, Sender, StopPoint, TargetAhead, Watchdog, fail, finish, on_signals,
+                  produce, receive, wait_done)
+from status import Metrics, Meter, Phase, check_trackers, log, log_peak_memory, log_plan, status_line
+from step import StepConfig, autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 
@@ -64,7 +65,8 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 
 # --- objective ------------------------------------------------------------------------------------------------------
 MAX_ANCHORS = 2048          # blocks per micro-batch (anchors sampled without replacement, fresh every step); 125 per
-                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md section 6: density at equal GPU time)
+                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md section 6: density at equal GPU time).
+                            # SpecForge's num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
 LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 6)
@@ -131,222 +133,18 @@ DUMP_BATCHES = 0            # drafters save the first N received micro-batches t
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_") and k not in _IMPORTED]
 REPO = Path(__file__).resolve().parent
-SECOND_SIGNAL_S = 2.0       # a signal this long after the first ends the job now; sooner it is the same one, forwarded
-# Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
-# Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
-RANGES = {
-    "NUM_DRAFT_LAYERS": (1, False), "NUM_TAPS": (0, False), "BLOCK_SIZE": (2, False), "MASK_TOKEN_ID": (-1, False),
-    "SLIDING_WINDOW_LAYERS": (0, False), "SLIDING_WINDOW": (0, False),
-    "MAX_ANCHORS": (1, False), "MIN_ANCHORS_PER_DOC": (0, False), "GAMMA": (0, True), "DPACE_ALPHA": (0, False),
-    "NOISE": (0, False),
-    "CE_CHUNK": (0, False),
-    "TOKEN_BUDGET": (2, False), "MAX_BATCH_SIZE": (1, False), "EPOCHS": (1, False),
-    "GRAD_ACCUM": (1, False), "LR": (0, True), "WARMUP_RATIO": (0, False), "WEIGHT_DECAY": (0, False),
-    "GRAD_CLIP": (0, True), "MAX_STEPS": (0, False),
-    "TARGET_RANKS": (1, False), "TARGET_SHARDS": (1, False), "Q_PREFETCH": (1, False), "Q_HS": (1, False),
-    "SEND_DEPTH": (1, False),
-    "SAVE_EVERY": (1, False), "KEEP_LAST": (0, False), "SEED": (0, False), "LOG_EVERY": (1, False),
-    "LOG_SECONDS": (0, True), "HEARTBEAT_TIMEOUT": (0, True), "STALL_TIMEOUT": (0, True), "EVAL_EVERY": (0, False),
-    "EVAL_LIMIT": (1, False), "EVAL_MAX_NEW_TOKENS": (1, False), "DUMP_BATCHES": (0, False),
-}
 
 
 # --- configuration ----------------------------------------------------------------------------------------------------
 
-_GIVEN: set[str] = set()      # the names set on the command line (parse_overrides)
+def constants() -> SimpleNamespace:
+    """The constants above as they are now (after main's overrides), for settings.py's checks."""
+    return SimpleNamespace(**{k: globals()[k] for k in CONFIG_KEYS})
 
 
-def parse_overrides(argv: list[str]) -> dict:
-    """--NAME=VALUE for the constants above; unknown names and wrong types are errors."""
-    g = globals()
-    _GIVEN.clear()
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            sys.exit(f"error: arguments are --NAME=VALUE, got {arg!r}")
-        name, value = arg[2:].split("=", 1)
-        if name not in CONFIG_KEYS:
-            close = difflib.get_close_matches(name, CONFIG_KEYS, n=3)
-            sys.exit(f"error: unknown setting --{name}" + (f" (did you mean {', '.join(close)}?)" if close else "")
-                     + f"; settings are the constants at the top of {Path(__file__).name}")
-        default = g[name]
-        try:
-            if isinstance(default, bool):
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError
-                g[name] = value.lower() in ("1", "true", "yes")
-            else:
-                g[name] = type(default)(value)
-        except ValueError:
-            sys.exit(f"error: --{name}={value!r} is not a valid {type(default).__name__} (default: {default!r})")
-        _GIVEN.add(name)
-    return {k: g[k] for k in CONFIG_KEYS}
-
-
-def resolve_paths() -> None:
-    """Fill the embedded defaults: SmolLM2 from the cache (model.target.DEFAULT_TARGET), the shipped dataset."""
-    global TARGET, DATA
-    if not TARGET:
-        TARGET = str(DEFAULT_TARGET)
-        if not (DEFAULT_TARGET / "config.json").exists():
-            sys.exit(f"error: no TARGET given and the default SmolLM2 folder {DEFAULT_TARGET} does not exist: run "
-                     f"`python -m tools.smollm2` (launch.sh does) or pass --TARGET=/path/to/hf/model")
-    if not DATA:
-        DATA = str(REPO / "data" / "default" / "smollm2")
 def check_config(world: int) -> None:
-    """Contradictions a user can fix, reported before any model is loaded."""
-    errs = []
-    if world > 1 and not 1 <= TARGET_RANKS < world:
-        errs.append(f"TARGET_RANKS={TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
-                    f"(at least one drafter rank); launch more processes or lower TARGET_RANKS")
-    if TARGET_SHARDS > 1:
-        if world == 1:
-            errs.append(f"TARGET_SHARDS={TARGET_SHARDS} needs a torchrun job: one process runs the whole target; "
-                        f"launch TARGET_RANKS + drafter processes or set TARGET_SHARDS=1")
-        elif TARGET_RANKS % TARGET_SHARDS:
-            errs.append(f"TARGET_RANKS={TARGET_RANKS} is not a multiple of TARGET_SHARDS={TARGET_SHARDS} (each target "
-                        f"replica spans TARGET_SHARDS ranks): set TARGET_RANKS to a multiple of it")
-        for name, why in (("COMPILE_TARGET", "torch.compile would trace FSDP's all-gather hooks inside each layer"),
-                          ("TARGET_FP8", "torchao's FP8 weights cannot be sharded and all-gathered by FSDP")):
-            if globals()[name]:
-                errs.append(f"{name} does not work with TARGET_SHARDS={TARGET_SHARDS} ({why}): set --{name}=False "
-                            f"or TARGET_SHARDS=1")
-    for name, (lo, strict) in RANGES.items():
-        v = globals()[name]
-        if not math.isfinite(v) or (v <= lo if strict else v < lo):
-            errs.append(f"{name}={v} must be {'>' if strict else '>='} {lo:g}"
-                        + (" and finite" if isinstance(v, float) else ""))
-    if not WARMUP_RATIO < 1:
-        errs.append(f"WARMUP_RATIO={WARMUP_RATIO} must be < 1 (the fraction of the run spent warming up)")
-    if SLIDING_WINDOW_LAYERS > NUM_DRAFT_LAYERS:
-        errs.append(f"SLIDING_WINDOW_LAYERS={SLIDING_WINDOW_LAYERS} must be <= NUM_DRAFT_LAYERS={NUM_DRAFT_LAYERS}")
-    if LOSS_WEIGHTING not in ("exp", "dpace"):
-        errs.append(f"LOSS_WEIGHTING={LOSS_WEIGHTING!r}: allowed are exp, dpace")
-    if not DPACE_ALPHA <= 1:
-        errs.append(f"DPACE_ALPHA={DPACE_ALPHA} must be <= 1 (D-PACE's confidence smoothing lies in [0, 1])")
-    if DEVICE not in ("auto", "cuda", "cpu") or DTYPE not in ("auto", "bfloat16", "float32") or \
-            ATTN not in ("auto", "flex", "sdpa"):
-        errs.append(f"DEVICE={DEVICE!r} DTYPE={DTYPE!r} ATTN={ATTN!r}: allowed are auto|cuda|cpu, "
-                    f"auto|bfloat16|float32, auto|flex|sdpa")
-    if RESUME not in ("auto", "scratch") and not Path(RESUME).exists():
-        errs.append(f"RESUME={RESUME!r} is neither auto, scratch nor an existing checkpoint folder")
-    if INIT_FROM and not all((Path(INIT_FROM) / f).is_file() for f in ("config.json", "model.safetensors")):
-        errs.append(f"INIT_FROM={INIT_FROM} is not an exported drafter folder (config.json + model.safetensors, "
-                    f"e.g. runs/x/checkpoints/step_N/drafter)")
-    if Path(OUT_DIR).exists() and not Path(OUT_DIR).is_dir():
-        errs.append(f"OUT_DIR={OUT_DIR} is a file, not a folder: point OUT_DIR at a folder (it is created if missing)")
-    tgt = Path(TARGET).expanduser()
-    if not (tgt / "config.json").exists():
-        errs.append(f"TARGET={TARGET} has no config.json: it must be a local Hugging Face model folder")
-    else:
-        tcfg = json.loads((tgt / "config.json").read_text())
-        arch = tcfg.get("architectures") or []
-        if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
-            errs.append(f"TARGET={TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
-                        f"*ForCausalLM target")
-        elif not any(next(tgt.glob(pat), None) for pat in ckpt.WEIGHT_FILES):
-            errs.append(f"TARGET={TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
-                        f"download the model's weight files into it")
-        if HEAD_FP8:
-            tc = tcfg.get("text_config", tcfg)
-            V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
-            if V % 16 or H % 16:
-                errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
-                            f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
-    if HEAD_FP8 and not CE_CHUNK:   # the unchunked loss is the bf16 reference: HEAD_FP8 would do nothing there
-        errs.append("HEAD_FP8 runs in the chunked loss only, and CE_CHUNK=0 is the unchunked reference: set "
-                    "--CE_CHUNK=4096 or --HEAD_FP8=False")
-    if FLEX_OPTIONS:
-        try:
-            if not isinstance(json.loads(FLEX_OPTIONS), dict):
-                raise ValueError
-        except ValueError:
-            errs.append(f"FLEX_OPTIONS={FLEX_OPTIONS!r} is not a JSON object of flex_attention kernel_options "
-                        f"(e.g. '{{\"USE_TMA\": true}}'; \"\" for torch's defaults)")
-    if DRAFTER_SHARDING not in ("ddp", "fsdp"):
-        errs.append(f"DRAFTER_SHARDING={DRAFTER_SHARDING!r}: allowed are ddp, fsdp")
-    elif DRAFTER_SHARDING == "fsdp" and world == 1:
-        errs.append("DRAFTER_SHARDING=fsdp shards the drafter over the drafter ranks of a torchrun job; the one "
-                    "process holds it whole: launch with torchrun (launch.sh), or use DRAFTER_SHARDING=ddp")
-    elif DRAFTER_SHARDING == "fsdp" and DRAFTER_FP8:
-        errs.append("DRAFTER_FP8 with DRAFTER_SHARDING=fsdp is not supported yet (float8 weights would need FSDP2's "
-                    "float8 all-gather): use one of them")
-    if DRAFTER_FP8_RECIPE not in fp8.RECIPES:
-        errs.append(f"DRAFTER_FP8_RECIPE={DRAFTER_FP8_RECIPE!r}: allowed are {', '.join(fp8.RECIPES)}")
-    if COMPILE_DRAFTER not in COMPILE_MODES:
-        errs.append(f"COMPILE_DRAFTER={COMPILE_DRAFTER!r}: allowed are {', '.join(COMPILE_MODES)}")
-    if EVAL_DTYPE not in ("float32", "bfloat16"):
-        errs.append(f"EVAL_DTYPE={EVAL_DTYPE!r}: allowed are float32, bfloat16")
-    if EVAL_EVERY and not Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl").exists():
-        errs.append(f"EVAL_PROMPTS={EVAL_PROMPTS!r} does not exist (a JSONL of prompts, see eval_dflash.py)")
-    if not Path(DATA).is_dir():
-        errs.append(f"DATA={DATA} is not a folder: prepare one with `python -m data.prepare --tokenizer "
-                    f"{TARGET} --out DIR INPUT.jsonl`")
-    if errs:
-        sys.exit("error: bad configuration:\n  - " + "\n  - ".join(errs))
-
-
-# --- warm start (INIT_FROM) -----------------------------------------------------------------------------------------
-
-# The drafter fields that make an export fit this run, each with the setting that decides it here ("TARGET": it
-# comes from the target's config). Exports differing in any of these are refused before any model loads.
-INIT_FROM_FIELDS = [
-    ("num_hidden_layers", "NUM_DRAFT_LAYERS"), ("block_size", "BLOCK_SIZE"), ("target_layer_ids", "TARGET_LAYER_IDS"),
-    ("mask_token_id", "MASK_TOKEN_ID"), ("layer_types", "SLIDING_WINDOW_LAYERS"), ("sliding_window", "SLIDING_WINDOW"),
-    ("hidden_size", "TARGET"), ("num_attention_heads", "TARGET"), ("num_key_value_heads", "TARGET"),
-    ("head_dim", "TARGET"), ("intermediate_size", "TARGET"), ("vocab_size", "TARGET"), ("num_target_layers", "TARGET"),
-    ("attention_bias", "TARGET"),
-]
-
-
-def check_init_from(dcfg) -> list[str]:
-    """INIT_FROM's config.json against the drafter this run builds (dcfg), before any model loads. Exits naming
-    every setting that differs, both values and the flag that fits the export; returns notes on fields that are
-    not shapes (RoPE, norm eps, context length), which the run takes from its target."""
-    cfg = json.loads((Path(INIT_FROM) / "config.json").read_text())
-    if not isinstance(cfg, dict) or "dflash_config" not in cfg or "num_target_layers" not in cfg:
-        sys.exit(f"error: INIT_FROM={INIT_FROM} is not an exported drafter (its config.json has no dflash_config / "
-                 f"num_target_layers: a target or other HF model folder?). INIT_FROM takes a drafter this trainer "
-                 f"exported, e.g. runs/x/checkpoints/step_N/drafter; the target goes in TARGET")
-    src = DrafterConfig.from_serving(cfg)
-
-    def as_setting(key, cfg):   # the field as the value of the setting that decides it
-        v = getattr(cfg, key)
-        return {"target_layer_ids": lambda: ",".join(map(str, v)),
-                "layer_types": lambda: v.count("sliding_attention"), "sliding_window": lambda: v or 0}.get(key,
-                                                                                                    lambda: v)()
-    errs, of_target = [], []
-    for key, setting in INIT_FROM_FIELDS:
-        ours, theirs = as_setting(key, dcfg), as_setting(key, src)
-        if ours == theirs:
-            continue
-        if setting == "TARGET":
-            of_target.append((key, ours, theirs))
-        else:
-            errs.append(f"{setting}: this run has {ours} ({key}), the drafter in INIT_FROM {theirs}: pass "
-                        f"--{setting}={theirs}")
-    if of_target:
-        errs.append(f"the target (TARGET={TARGET}) has " + ", ".join(f"{f}={o}" for f, o, _ in of_target)
-                    + "; the drafter in INIT_FROM was made for " + ", ".join(f"{f}={t}" for f, _, t in of_target)
-                    + ": it was trained for another target")
-    if errs:
-        sys.exit(f"error: INIT_FROM={INIT_FROM} does not fit this run's drafter:\n  - " + "\n  - ".join(errs))
-    return [f"NOTE: INIT_FROM has {f}={getattr(src, f)}, this run uses its target's {getattr(dcfg, f)}"
-            for f in ("rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings")
-            if getattr(src, f) != getattr(dcfg, f)]
-
-
-def load_init_from(drafter) -> str:
-    """The INIT_FROM export's weights into the run's drafter, whose fp32 master weights take them in whatever dtype
-    the export was written (fp32 exactly; bf16 widened exactly). Returns that dtype."""
-    state = load_file(str(Path(INIT_FROM) / "model.safetensors"), device=str(next(drafter.parameters()).device))
-    missing = drafter.state_dict().keys() - state.keys()
-    extra = state.keys() - drafter.state_dict().keys()
-    if missing or extra:
-        sys.exit(f"error: INIT_FROM={INIT_FROM}: model.safetensors does not hold this drafter's parameters (missing "
-                 f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}); export it with model.export.export_drafter")
-    dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
-    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return "/".join(dtypes)
+    """settings.check_config on the constants as they are now (Dist runs it on every rank)."""
+    settings.check_config(constants(), world)
 
 
 def eval_inputs(tok, stats: dict) -> dict:
@@ -430,257 +228,7 @@ class Dist:
                 f"attention={'flex' if self.flex else 'sdpa'}) pid {os.getpid()}{shard}")
 
 
-def log(msg: str) -> None:
-    sys.stdout.write(msg + "\n")   # one write: ranks sharing a terminal never interleave inside a line
-    sys.stdout.flush()
-
-
-class Phase:
-    """Prints a start-up phase as it begins and ends, so a user polling tmux knows where the job is."""
-
-    def __init__(self, d, name, watchdog=None):
-        self.d, self.name, self.watchdog = d, name, watchdog
-
-    def __enter__(self):
-        self.t = time.time()
-        if self.watchdog:
-            self.watchdog.state = self.name
-        log(f"[rank {self.d.rank} {self.d.role}] {self.name} ...")
-
-    def __exit__(self, *exc):
-        if exc[0] is None:
-            log(f"[rank {self.d.rank} {self.d.role}] {self.name} done ({time.time() - self.t:.1f}s)")
-
-
-# --- one drafter step (the trainer's and the bench's) -----------------------------------------------------------------
-
-def mask_lengths(cfg, device, flex):
-    """The flex masks' fixed (Q_LEN, KV_LEN) on a GPU: MAX_ANCHORS blocks against TOKEN_BUDGET context rows, so
-    flex_attention compiles once, for static shapes. None (each mask its own length) for the CPU's masks."""
-    if not flex or torch.device(device).type != "cuda":
-        return None
-    return static_lengths(MAX_ANCHORS, cfg.block_size, TOKEN_BUDGET)
-
-
-def make_prepare(cfg, device, flex):
-    """Packet -> Prepared (model.objective.prepare) with this run's objective settings."""
-    return functools.partial(prepare, cfg=cfg, seed=SEED, max_anchors=MAX_ANCHORS, min_per_doc=MIN_ANCHORS_PER_DOC,
-                             gamma=GAMMA, flex=flex, device=device, lengths=mask_lengths(cfg, device, flex))
-
-
-def loss_reweight(item, block_size):
-    """LOSS_WEIGHTING=dpace: D-PACE's weights, which weighted_ce makes from the drafter's own predictions (detached)
-    after its chunks; exp: None, the decay make_blocks wrote into item.weights is the weighting. Either way the
-    gradients hold sum(w * CE) and the step divides them by the global sum of the same w."""
-    return dpace_reweight(item.weights, item.rows, block_size, DPACE_ALPHA) if LOSS_WEIGHTING == "dpace" else None
-
-
-def decay_weighted(parts, item):
-    """(sum w * CE, sum w) under the exp decay of item.weights whatever LOSS_WEIGHTING is: the status line's loss,
-    so runs with either weighting read on one scale."""
-    if LOSS_WEIGHTING == "exp":
-        return parts.loss_sum.detach(), parts.weight_sum
-    w = item.weights.index_select(0, item.rows)                                              # [R]
-    return (w * parts.ce).sum(), w.sum()
-
-
-def drafter_step(model, embed, head_w, item, block_size, autocast, sync=True, probe=None, saved_hooks=None):
-    """One micro-batch's forward, loss and backward: the gradients accumulate sum(w * CE) until optimizer_step.
-    sync=False: a DDP model skips its gradient all-reduce (not the step's last micro-batch). probe(phase) and
-    saved_hooks: the bench's instruments. -> [8] float64 sums: exp-decay loss, its weight, acc_num, acc_den,
-    streak_num, streak_den, objective loss, its weight (index 7: the step's normaliser)."""
-    probe = probe or (lambda phase: None)
-    feats = item.features                                                                    # [T, K*H]
-    if NOISE:
-        gen = torch.Generator(device=feats.device).manual_seed(micro_seed(SEED, item.g))
-        feats = feats + (torch.rand(feats.shape, generator=gen, device=feats.device, dtype=torch.float32)
-                         * 2 - 1).mul_(NOISE).to(feats.dtype)
-    no_sync = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
-    if hasattr(model, "set_requires_gradient_sync"):   # FSDP2: reduce-scatter only after the step's last micro-batch
-        model.set_requires_gradient_sync(sync)
-    with no_sync, autocast:
-        with saved_hooks or contextlib.nullcontext():
-            hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
-            probe("forward")
-            parts = weighted_ce(hidden, head_w, item.labels, item.weights, CE_CHUNK, rows=item.rows,
-                                reweight=loss_reweight(item, block_size))
-            probe("CE")
-        parts.loss_sum.backward()
-    probe("backward")
-    bm = block_metrics(parts.correct.view(-1, block_size), item.weights.view(-1, block_size))
-    return torch.stack([*decay_weighted(parts, item), bm["acc_num"], bm["acc_den"], bm["streak_num"],
-                        bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum]).double()
-
-
-def optimizer_step(params, opt, step_w, n_drafters=1, group=None):
-    """The update after a step's micro-batches. Global normalisation: the gradients hold sum(w * CE) (averaged over
-    the n_drafters ranks of `group` by DDP's all-reduce, or FSDP2's reduce-scatter, which averages the same way),
-    step_w [1] this rank's sum of w: divide by the global one."""
-    if n_drafters > 1:
-        dist.all_reduce(step_w, group=group)
-    scale_clip_(params, (n_drafters / step_w.clamp(min=1e-12)).float(), GRAD_CLIP, opt)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    step_w.zero_()
-
-
-def autocast_for(device, dtype):
-    return torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32 \
-        else torch.autocast("cpu", enabled=False)
-
-
-# --- logging ----------------------------------------------------------------------------------------------------------
-
-def fmt_eta(s):
-    if not math.isfinite(s):
-        return "?"
-    return f"{s / 86400:.1f}d" if s >= 86400 else f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m" if s >= 60 \
-        else f"{s:.0f}s"
-
-
-def fmt_q_pre(q_pre, shards):
-    """The target ranks' q_pre depths, a sharded target's replicas set apart: [3, 2 | 0, 1]."""
-    return "[" + " | ".join(", ".join(map(str, q_pre[i:i + shards])) for i in range(0, len(q_pre), shards)) + "]"
-
-
-def fmt_k(x):
-    return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}K" if x >= 1e3 else f"{x:.0f}"
-
-
-class Metrics:
-    """metrics.jsonl (+ optional TensorBoard / W&B) on the master."""
-
-    def __init__(self, out_dir, config):
-        self.f = open(out_dir / "metrics.jsonl", "a", buffering=1)
-        self.tb = self.wandb = None
-        if TENSORBOARD:
-            from torch.utils.tensorboard import SummaryWriter   # optional package
-            self.tb = SummaryWriter(str(out_dir / "tb"))
-        if WANDB_PROJECT:
-            import wandb   # optional package
-            self.wandb = wandb.init(project=WANDB_PROJECT, config=config, dir=str(out_dir))
-
-    def write(self, row):
-        self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
-        nums = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
-        if self.tb:
-            for k, v in nums.items():
-                self.tb.add_scalar(k, v, row["step"])
-        if self.wandb:
-            self.wandb.log(nums, step=row["step"])
-
-    def flush(self):
-        self.f.flush()
-
-
-def split_min_tokens() -> int:
-    """Busy tokens a rank's clock must hold before its rate counts for the split report: ~2.5 micro-batches."""
-    return 5 * TOKEN_BUDGET // 2
-
-
-def measured_enough(clock: dict) -> bool:
-    """A peer's heartbeat carries a BusyClock with enough work for a rate."""
-    return bool(clock) and clock.get("busy_tok", 0) >= split_min_tokens() and clock.get("busy_s", 0) > 0
-
-
-def report_split(peers, d, row) -> bool:
-    """Once every rank has computed a few micro-batches: each role's measured capacity (tokens per busy second per
-    GPU) and the split planner.recommend_split gives for this many GPUs. Returns whether it could report."""
-    rates = {}
-    for r, info in peers.items():
-        if not measured_enough(info):
-            return False
-        rates.setdefault(d.roles[r], []).append(info["busy_tok"] / info["busy_s"])
-    tgt, dft = (sum(v) / len(v) for v in (rates["target"], rates["drafter"]))
-    best = planner.recommend_split(tgt, dft, d.world, d.shards)
-    row.update(target_capacity_tok_s=tgt, drafter_capacity_tok_s=dft, recommended_split=list(best))
-    advice = "keep it" if best == (d.n_targets, d.n_drafters) else f"try --TARGET_RANKS={best[0]} (resume keeps " \
-                                                                   f"the data position)"
-    log(f"throughput per GPU (measured while busy): target {fmt_k(tgt)}tok/s, drafter {fmt_k(dft)}tok/s -> for "
-        f"{d.world} GPUs the planner recommends {best[0]} targets : {best[1]} drafters (now {d.n_targets} : "
-        f"{d.n_drafters}; {advice})")
-    return True
-
-
-def log_peak_memory(d):
-    """A GPU rank's peak memory over the run, to read against the planner's estimate printed at the start."""
-    if d.device.type == "cuda":
-        gib = 2 ** 30
-        peak = torch.cuda.max_memory_allocated(d.device)
-        est = getattr(d, "mem_estimate", None)
-        vs = f" (planner estimate {est / gib:.2f} GiB, estimate/measured {est / max(peak, 1):.3f})" if est else ""
-        log(f"[rank {d.rank} {d.role}] peak GPU memory: {peak / gib:.2f} GiB allocated{vs}, "
-            f"{torch.cuda.max_memory_reserved(d.device) / gib:.2f} GiB reserved by the caching allocator")
-
-
-def finish(d, watchdog, code):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if d.colocated:
-        sys.exit(code)
-    if d.is_master:
-        watchdog.finished()   # tells every rank to exit, waits for them, exits 0
-    wait_done(d, watchdog)
-
-
-def wait_done(d, watchdog):
-    """Non-master ranks idle here until the master has saved; their watchdog then exits them with code 0."""
-    watchdog.state = "finished; waiting for the master's last checkpoint"
-    while True:
-        time.sleep(1)
-
-
 # --- main: the job's phases -------------------------------------------------------------------------------------------
-
-def fail(watchdog, reason, detail=""):
-    """End the job (every rank, through the watchdog) with one line saying why."""
-    if watchdog:
-        watchdog.fail(reason, detail)
-    print(detail, file=sys.stderr)
-    sys.exit(f"error: {reason}")
-
-
-def on_signals(d, watchdog, ck_root) -> threading.Event:
-    """SIGTERM / SIGINT set the returned flag, acted on at the next optimizer step boundary; a second one ends now."""
-    stop_flag = threading.Event()
-    first_signal = []   # when the first one came
-
-    def handler(signum, _frame):
-        name = signal.Signals(signum).name
-        # the second one ends the job: the next step may never come (a stuck rank, a wait on input). One Ctrl-C
-        # reaches a rank twice, from the terminal and forwarded by torchrun a moment later: that is still the first.
-        if first_signal and time.monotonic() - first_signal[0] > SECOND_SIGNAL_S:
-            fail(watchdog, f"got a second {name}: ending now, without a checkpoint; RESUME=auto continues from the "
-                           f"newest complete one in {ck_root}")
-        if first_signal:
-            return
-        first_signal.append(time.monotonic())
-        stop_flag.set()
-        log(f"[rank {d.rank} {d.role}] got {name}: saving a checkpoint at the next step (send it again to end now)")
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop_flag
-
-
-def choose_mask_token_id(tok, vocab_rows) -> int:
-    """MASK_TOKEN_ID, or the first unused id when it is -1, checked against the target's tokenizer."""
-    mask_id = MASK_TOKEN_ID
-    if mask_id < 0:
-        if tok is None:
-            sys.exit(f"error: TARGET={TARGET} has no tokenizer, so MASK_TOKEN_ID cannot be chosen: pass "
-                     f"--MASK_TOKEN_ID=<an unused id below {vocab_rows}>")
-        return default_mask_token_id(tok, vocab_rows)
-    if tok is not None:
-        try:
-            check_mask_token_id(mask_id, tok, vocab_rows)
-        except ValueError as e:
-            sys.exit(f"error: --MASK_TOKEN_ID={mask_id}: {e}. Leave --MASK_TOKEN_ID=-1 to use "
-                     f"{default_mask_token_id(tok, vocab_rows)}, chosen automatically")
-    elif not 0 <= mask_id < vocab_rows:
-        sys.exit(f"error: MASK_TOKEN_ID={mask_id} is outside the target's embedding (0..{vocab_rows - 1})")
-    return mask_id
-
 
 def drafter_config(d, config):
     """What needs the target's config and tokenizer (no weights yet): the data's tokenizer check, the evaluation's
@@ -705,7 +253,7 @@ def drafter_config(d, config):
     if eval_setup and d.is_master:
         log(f"eval: every {EVAL_EVERY} checkpoint(s), {len(eval_setup['prompts'])} prompts of {eval_setup['path']}, "
             f"thinking={stats.get('thinking') or 'the template default'} (as DATA was prepared)")
-    mask_id = choose_mask_token_id(tok, hf_cfg.vocab_size)
+    mask_id = settings.choose_mask_token_id(constants(), tok, hf_cfg.vocab_size)
     layer_ids = [int(x) for x in TARGET_LAYER_IDS.split(",")] if TARGET_LAYER_IDS else None
     try:
         dcfg = DrafterConfig.from_target(hf_cfg, NUM_DRAFT_LAYERS, BLOCK_SIZE, mask_id, target_layer_ids=layer_ids,
@@ -794,43 +342,6 @@ def resume(d, watchdog, resume_path, config, data, dcfg, fingerprint) -> ckpt.Re
     return rp
 
 
-def log_plan(d, config, data, sched, dcfg, step, total_steps, resume_path, init_notes):
-    log("config: " + " ".join(f"{k}={v}" for k, v in config.items()))   # the final values, in every log
-    ps = data.plan.stats()
-    log(f"data: {data.num_rows:,} rows, {len(data.rows):,} trainable"
-        + (f" (dropped {data.dropped})" if data.dropped else "")
-        + f"; {data.plan.num_batches:,} micro-batches/epoch (mean {ps['mean_batch_size']:.1f} seqs, "
-          f"padding waste {ps['padding_waste']:.1%})")
-    replicas = f" ({d.n_replicas} target replica{'s' if d.n_replicas > 1 else ''} x TARGET_SHARDS={d.shards}, " \
-        f"each rank forwarding its own micro-batches)" if d.shards > 1 else ""
-    log(f"plan: {d.n_targets} target : {d.n_drafters} drafter ranks{replicas} x GRAD_ACCUM={GRAD_ACCUM} => "
-        f"{sched.per_step} micro-batches/step; {total_steps:,} steps ({sched.total_g:,} micro-batches, "
-        f"{sched.total_g / data.plan.num_batches:.2f} epochs); drafter L={dcfg.num_hidden_layers} "
-        f"taps={dcfg.target_layer_ids} B={dcfg.block_size} mask_token_id={dcfg.mask_token_id}")
-    if resume_path:
-        log(f"RESUMING from step {step} of {resume_path} (micro-batch {sched.g0}, "
-            f"epoch~{sched.g0 / data.plan.num_batches:.2f})")
-        if INIT_FROM:
-            log(f"NOTE: INIT_FROM={INIT_FROM} is ignored: a checkpoint to resume wins (RESUME={RESUME}); "
-                f"use another OUT_DIR to start over from INIT_FROM")
-    elif INIT_FROM:
-        for note in init_notes:
-            log(note)
-    if "GAMMA" in _GIVEN and LOSS_WEIGHTING == "dpace":
-        log(f"NOTE: GAMMA={GAMMA} is not used: LOSS_WEIGHTING=dpace weighs a block's slots by the drafter's own "
-            f"confidence (DPACE_ALPHA is its setting); GAMMA is the decay of LOSS_WEIGHTING=exp")
-
-
-def write_run_info(d, out_dir, config, data, dcfg, fingerprint, resume_path):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    run_info = {"config": config, "env": ckpt.environment(), "world": d.world, "split": [d.n_targets, d.n_drafters],
-                "drafter": dcfg.__dict__, "data": {"rows": data.num_rows, "trainable": len(data.rows),
-                                                   "dropped": data.dropped, "content_hash": data.content_hash,
-                                                   "num_batches": data.plan.num_batches},
-                "target": fingerprint, "resumed_from": str(resume_path) if resume_path else None, "time": time.time()}
-    (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
-
-
 def load_target(d, dcfg, watchdog):
     """The frozen target of a target rank (or the one process): FP8 and compiled as configured."""
     sharded = f" (1/{d.shards} of layers 0..{max(dcfg.target_layer_ids)} per rank, FSDP2)" if d.shards > 1 else ""
@@ -871,7 +382,7 @@ def run_target(d, data, sched, target, watchdog):
     wait_done(d, watchdog)
 
 
-def build_drafter(d, dcfg, target, resume_path, watchdog):
+def build_drafter(d, dcfg, target, resume_path, watchdog, step_cfg):
     """fp32 master weights (from the checkpoint, INIT_FROM or SEED), the frozen embedding / lm_head, the optimizer;
     compiled, and wrapped in DDP or sharded with FSDP2 (DRAFTER_SHARDING) as configured.
     -> (drafter, model, opt, embed, head_w)."""
@@ -894,7 +405,7 @@ def build_drafter(d, dcfg, target, resume_path, watchdog):
                 f"{head_w.weight.shape[1]}] quantised per row and per column, "
                 f"{2 * head_w.weight.numel() / 2 ** 30:.2f} GiB)")
         if INIT_FROM and not resume_path:
-            dtype = load_init_from(drafter)
+            dtype = settings.load_init_from(INIT_FROM, drafter)
             if d.is_master:
                 log(f"INIT_FROM: drafter weights from {INIT_FROM} ({dtype} export, into float32 master weights); "
                     f"a fresh run: step 0, new optimizer, the LR schedule from its start")
@@ -917,7 +428,7 @@ def build_drafter(d, dcfg, target, resume_path, watchdog):
         set_flex_kernel_options(json.loads(FLEX_OPTIONS) if FLEX_OPTIONS else None)
         with Phase(d, "compile flex_attention (main thread, before worker threads)", watchdog):
             warmup_flex_attention(d.device, d.dtype, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                                  dcfg.head_dim, dcfg.block_size, mask_lengths(dcfg, d.device, d.flex))
+                                  dcfg.head_dim, dcfg.block_size, mask_lengths(dcfg, d.device, d.flex, step_cfg))
     return drafter, model, opt, embed, head_w
 
 
@@ -960,38 +471,39 @@ def restore_drafter(d, dcfg, resume_path, drafter, opt) -> None:
     ckpt.restore_rng(state)
 
 
-def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats):
+def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats, step_cfg):
     """The drafter side's Prefetcher: prepared micro-batches Q_HS ahead, from the network (a drafter rank) or from the
     target forward (the one process; its q_pre depth goes to pre_stats). The one process runs an eager target on
     the feeder thread, which launches its kernels beside the main thread's (a small target is launch-bound), and a
     compiled one on the main thread a micro-batch ahead (TargetAhead: compiled code must not run on one thread while
     another compiles)."""
+    prep = make_prepare(dcfg, d.device, d.flex, step_cfg)
     if d.colocated:
         packets = produce(data, sched.target_gs(0), target, d.device, Q_PREFETCH, stats=pre_stats)
         if COMPILE_TARGET:
             log(f"[rank {d.rank} {d.role}] COMPILE_TARGET: the target forward runs on the main thread, a micro-batch "
                 f"ahead of the step; the feeder thread prepares")
-            feed = TargetAhead(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS)
+            feed = TargetAhead(packets, prep, d.device, Q_HS)
         else:
-            feed = Prefetcher(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS, name="feeder")
+            feed = Prefetcher(packets, prep, d.device, Q_HS, name="feeder")
     else:
         schedule = ((g, sched.producer(g)) for g in sched.drafter_gs(d.drafter_index))
         packets = receive(schedule, d.ctrl, d.data, d.device, watchdog)
-        feed = Prefetcher(packets, make_prepare(dcfg, d.device, d.flex), d.device, Q_HS, name="receiver",
-                          fail=watchdog.fail)
+        feed = Prefetcher(packets, prep, d.device, Q_HS, name="receiver", fail=watchdog.fail)
         watchdog.state = "waiting for the first micro-batch (queues filling)"
     feed.start()
     return feed
 
 
 def main(argv):
-    config = parse_overrides(argv)
-    resolve_paths()
-    config.update(TARGET=TARGET, DATA=DATA)
+    config, given = settings.parse_overrides(argv, {k: globals()[k] for k in CONFIG_KEYS}, Path(__file__))
+    settings.resolve_paths(config)
+    globals().update(config)   # the constants above now hold the run's values
+    step_cfg = StepConfig.of(config)
     d = Dist()
     log(f"[rank {d.rank} {d.role}] {d}")
     errs = [e for name in ("TARGET_FP8", "DRAFTER_FP8", "HEAD_FP8") if globals()[name] and
-            (e := fp8.check(name, d.device))]
+            (e := fp8.check(name, d.device))] + check_trackers(TENSORBOARD, WANDB_PROJECT)
     if errs:   # every rank checks, so the whole job stops here, before any model loads
         sys.exit("error: " + "; ".join(errs))
     out_dir, watchdog = Path(OUT_DIR), None
@@ -1000,42 +512,43 @@ def main(argv):
         watchdog = Watchdog(d.store, d.rank, d.world, d.roles, HEARTBEAT_TIMEOUT, STALL_TIMEOUT, log=log,
                             is_master=d.is_master)
         watchdog.start()
-    stop_flag = on_signals(d, watchdog, ck_root)
+    stop_flag = on_signals(f"[rank {d.rank} {d.role}]", watchdog, ck_root, log)
     try:
         # 1. settings that need the target's config and tokenizer, the data: all checked before any model loads
         dcfg, hf_cfg, eval_setup = drafter_config(d, config)
-        init_notes = check_init_from(dcfg) if INIT_FROM else []
+        init_notes = settings.check_init_from(constants(), dcfg) if INIT_FROM else []
         data = load_data(d, config, hf_cfg, watchdog)
         # 2. where to start
         resume_path = choose_resume(d, watchdog, out_dir, ck_root)
         fingerprint = ckpt.target_fingerprint(TARGET)
         rp = resume(d, watchdog, resume_path, config, data, dcfg, fingerprint)
         try:
-            sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, GRAD_ACCUM, LR, WARMUP_RATIO, EPOCHS,
-                             MAX_STEPS, rp.start_g, rp.planned_g)
+            sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, GRAD_ACCUM, EPOCHS, MAX_STEPS,
+                             rp.start_g, rp.planned_g)
         except DataError as e:
             sys.exit(f"error: {e}")
         total_steps = rp.step + sched.steps
         if d.is_master:
-            log_plan(d, config, data, sched, dcfg, rp.step, total_steps, resume_path, init_notes)
+            log_plan(d, config, given, data, sched, dcfg, rp.step, total_steps, resume_path, init_notes)
         if DRY_RUN:
             if d.is_master:
                 log("DRY_RUN: config and data are fine; exiting before loading any model")
             finish(d, watchdog, code=0)
         if d.is_master:
-            write_run_info(d, out_dir, config, data, dcfg, fingerprint, resume_path)
+            ckpt.write_run_info(out_dir, config, d.world, [d.n_targets, d.n_drafters], data, dcfg, fingerprint,
+                                resume_path)
         # 3. a target rank's job
         target = load_target(d, dcfg, watchdog) if d.is_target else None
         if d.is_target and not d.colocated:
             run_target(d, data, sched, target, watchdog)
         # 4. a drafter rank's (or the one process's) job
-        drafter, model, opt, embed, head_w = build_drafter(d, dcfg, target, resume_path, watchdog)
+        drafter, model, opt, embed, head_w = build_drafter(d, dcfg, target, resume_path, watchdog, step_cfg)
         pre_stats = {}
-        feed = start_feed(d, data, sched, target, dcfg, watchdog, pre_stats)
-        train(Run(d=d, dcfg=dcfg, config=config, data=data, sched=sched, drafter=drafter, model=model, opt=opt,
-                  embed=embed, head_w=head_w, feed=feed, pre_stats=pre_stats, watchdog=watchdog, stop_flag=stop_flag,
-                  eval_setup=eval_setup, ck_root=ck_root, fingerprint=fingerprint, step=rp.step, step0=rp.step,
-                  total_steps=total_steps))
+        feed = start_feed(d, data, sched, target, dcfg, watchdog, pre_stats, step_cfg)
+        train(Run(d=d, dcfg=dcfg, config=config, step_cfg=step_cfg, data=data, sched=sched, drafter=drafter,
+                  model=model, opt=opt, embed=embed, head_w=head_w, feed=feed, pre_stats=pre_stats, watchdog=watchdog,
+                  stop_flag=stop_flag, eval_setup=eval_setup, ck_root=ck_root, fingerprint=fingerprint, step=rp.step,
+                  step0=rp.step, total_steps=total_steps))
         log_peak_memory(d)
         finish(d, watchdog, code=0)
     except SystemExit as e:
@@ -1049,7 +562,8 @@ def main(argv):
             reason = (f"CUDA out of memory on {d.device}: {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, "
                       f"{torch.cuda.memory_reserved() / gib:.1f} GiB reserved of "
                       f"{torch.cuda.get_device_properties(d.device).total_memory / gib:.1f} GiB. Lower MAX_ANCHORS "
-                      f"(now {MAX_ANCHORS}), TOKEN_BUDGET (now {TOKEN_BUDGET}) or MAX_BATCH_SIZE (now {MAX_BATCH_SIZE})")
+                      f"(now {MAX_ANCHORS}), TOKEN_BUDGET (now {TOKEN_BUDGET}) or MAX_BATCH_SIZE (now "
+                      f"{MAX_BATCH_SIZE})")
         fail(watchdog, reason, traceback.format_exc())
 
 
@@ -1061,6 +575,7 @@ class Run:
     d: Dist
     dcfg: DrafterConfig
     config: dict                   # the final settings, snapshotted into every checkpoint
+    step_cfg: StepConfig           # the settings of a drafter step, from config
     data: Data
     sched: Schedule
     drafter: Drafter               # fp32 master weights
@@ -1088,20 +603,6 @@ class Run:
         return self.sched.g_at(step - self.step0)
 
 
-@dataclass
-class Meter:
-    """The status line's sums and counters since the last one."""
-    sums: torch.Tensor             # [8] float64, drafter_step's
-    t_start: float
-    t_log: float
-    step_at_log: int
-    tokens: int = 0
-    micro_batches: int = 0
-    tgt_n_prev: int = 0            # micro-batches the target ranks had made at the last status line
-    split_reported: bool = False
-    run_tokens: int = 0            # this rank's tokens over the whole run (the split report's wait needs them)
-
-
 def train(run):
     """lr -> micro-steps -> step -> stop -> log -> save, until the schedule ends or a signal asks to stop."""
     d, B = run.d, run.dcfg.block_size
@@ -1122,7 +623,7 @@ def train(run):
         log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")
     first = True
     while run.step < run.total_steps:
-        lr = run.sched.lr(run.g_at(run.step))
+        lr = lr_at(run.g_at(run.step), run.sched.planned_g, LR, WARMUP_RATIO)
         for group in run.opt.param_groups:
             group["lr"] = lr
         for m in range(GRAD_ACCUM):
@@ -1133,16 +634,16 @@ def train(run):
             if run.watchdog:
                 run.watchdog.state = f"training step {run.step + 1} micro-batch g={item.g}"
             t0 = clock.start()
-            sums = drafter_step(run.model, run.embed, run.head_w, item, B, autocast,
+            sums = drafter_step(run.model, run.embed, run.head_w, item, B, autocast, run.step_cfg,
                                 sync=m == GRAD_ACCUM - 1 or d.n_drafters == 1)
             if m < GRAD_ACCUM - 1:
                 clock.stop(t0, item.tokens)
             else:                                      # the step's last micro-batch: its busy time ends after the
                 last_unit = (t0, item.tokens)          # optimizer, which is part of the drafter's per-step cost
-            step_w += sums[7]
-            meter.sums += sums
+            step_w += sums.objective_w
+            meter.sums += torch.stack(sums)
             micro_batch_done(run, meter, item)
-        optimizer_step(params, run.opt, step_w, d.n_drafters, d.drafters)
+        optimizer_step(params, run.opt, step_w, GRAD_CLIP, d.n_drafters, d.drafters)
         clock.stop(*last_unit)
         run.step += 1
         stopping = stop_requested(run)
@@ -1214,72 +715,6 @@ def stop_requested(run) -> bool:
     return run.stop_at is not None and run.step >= run.stop_at
 
 
-def status_line(run, meter, params, lr, now):
-    """The metrics since the last line, all-reduced over the drafters (every drafter calls this at the same step),
-    then on the master one line and one metrics.jsonl row. Also checks that DDP kept the drafters identical (FSDP2's
-    ranks hold different shards: ddp_weight_spread is null)."""
-    d, step = run.d, run.step
-    red = meter.sums.clone()
-    spread = 0.0 if DRAFTER_SHARDING == "ddp" else None
-    if d.n_drafters > 1:
-        dist.all_reduce(red, group=d.drafters)
-    if d.n_drafters > 1 and DRAFTER_SHARDING == "ddp":
-        # DDP keeps drafters bitwise identical; check it where we sync anyway
-        run.opt.wait_all()
-        cs = torch.stack([p.detach().double().sum() for p in params]).sum()
-        mm = torch.stack([cs, -cs])
-        dist.all_reduce(mm, op=dist.ReduceOp.MAX, group=d.drafters)
-        spread = float(mm[0] + mm[1])
-        if spread != 0.0:
-            raise RuntimeError(f"drafter ranks hold different weights after step {step} (checksum spread "
-                               f"{spread:g}): DDP gradient sync is broken")
-    loss, wt, an, ad, sn, sd, obj, obj_w = red.tolist()
-    meter.sums.zero_()
-    if d.is_master:
-        dt = max(1e-9, now - meter.t_log)
-        peers = run.watchdog.peer_states() if run.watchdog else {}
-        tgt_n = sum((peers.get(r) or {}).get("n", 0) for r in range(d.n_targets))
-        if d.colocated:
-            q_pre, q_hs = [run.pre_stats.get("q", 0)], [run.feed.q.qsize()]
-        else:
-            q_pre = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets)]
-            q_hs = [(peers.get(r) or {}).get("q", 0) for r in range(d.n_targets, d.world)]
-        tgt_rate = (tgt_n - meter.tgt_n_prev) / dt if not d.colocated else meter.micro_batches / dt
-        meter.tgt_n_prev = tgt_n
-        dft_rate = meter.micro_batches * d.n_drafters / dt
-        tok_rate = meter.tokens * d.n_drafters / dt
-        eta = (run.total_steps - step) * dt / max(1, step - meter.step_at_log)
-        epoch = run.g_at(step) / run.data.plan.num_batches
-        noise_std = NOISE / math.sqrt(3)
-        row = {"time": now, "elapsed_s": now - meter.t_start, "step": step, "total_steps": run.total_steps,
-               "loss": loss / max(wt, 1e-12), "objective": obj / max(obj_w, 1e-12), "acc": an / max(ad, 1),
-               "streak": sn / max(sd, 1),
-               "lr": lr, "noise_std": noise_std, "tgt_mb_s": tgt_rate, "dft_mb_s": dft_rate,
-               "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta,
-               "ddp_weight_spread": spread}
-        if not meter.split_reported:
-            meter.split_reported = report_split(peers, d, row)
-            # enough work for this rank's clock to count (past its skipped first units), so the wait can succeed
-            enough = meter.run_tokens >= split_min_tokens() + BusyClock.SKIP * TOKEN_BUDGET
-            if not meter.split_reported and step == run.total_steps and enough and run.watchdog:
-                # a run shorter than a few heartbeats: the peers' busy clocks arrive with their next beats. A pause:
-                # this wait makes no progress, and a short STALL_TIMEOUT must not take it for a stall
-                with run.watchdog.pause("waiting for the peers' busy clocks (the split report)"):
-                    end = time.monotonic() + 3 * run.watchdog.interval
-                    while not meter.split_reported and time.monotonic() < end:
-                        time.sleep(0.2)
-                        meter.split_reported = report_split(run.watchdog.peer_states(), d, row)
-        run.metrics.write(row)
-        tau = f" tau={run.last_eval['tau']:.2f}" if run.last_eval else ""
-        dpace = f" dpace={row['objective']:.3f}" if LOSS_WEIGHTING == "dpace" else ""
-        log(f"[{(now - meter.t_start) / 60:.0f}m] step={step}/{run.total_steps} loss={row['loss']:.3f}{dpace} "
-            f"acc={row['acc']:.3f} streak={row['streak']:.2f}{tau} lr={lr:.1e} noise={noise_std:.3f} | "
-            f"tgt={tgt_rate:.2f}b/s dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | "
-            f"q_pre={fmt_q_pre(q_pre, d.shards)} q_hs={q_hs} | "
-            f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")
-    meter.t_log, meter.step_at_log, meter.tokens, meter.micro_batches = now, step, 0, 0
-
-
 def save_checkpoint(run):
     """The master's checkpoint after run.step (checkpoint.py's schema), then every EVAL_EVERY-th time the
     evaluation. DRAFTER_SHARDING=fsdp: every drafter rank calls it, writes its shard into the master's folder
@@ -1308,16 +743,7 @@ def save_checkpoint(run):
     log(f"saved {path} ({time.time() - t:.1f}s)")
     run.saves += 1
     if EVAL_EVERY and run.saves % EVAL_EVERY == 0:
-        evaluate(run, run.drafter if not sharded else whole_drafter(run.dcfg, full, d.device))
-
-
-def whole_drafter(dcfg, state, device) -> Drafter:
-    """A sharded drafter's gathered state as one plain Drafter on `device`, for the master's evaluation (the FSDP2
-    module's forward is a collective of every drafter rank)."""
-    with torch.device("meta"):
-        drafter = Drafter(dcfg)
-    drafter.load_state_dict(state, assign=True)
-    return drafter.to(device)
+        evaluate(run, run.drafter if not sharded else ckpt.whole_drafter(run.dcfg, full, d.device))
 
 
 def evaluate(run, drafter):

@@ -1,10 +1,11 @@
-"""Issue 18 on one H200 in one call (< 5 min): equal-work figures, FP8, the one-GPU trainer. One line per figure.
+"""FP8 on one GPU (SM89+; written for an H200): equal-work figures, FP8, the one-GPU trainer. One line per figure.
 
-    python -m bench.fp8_h200 [--parts limits,split,target,drafter,trainer] [--budget-s 290] [--json fp8.json]
+    python -m bench.fp8_h200 [--parts limits,split,target,drafter,trainer] [--json fp8.json]
+    python -m bench.fp8_h200 --shape tiny --parts split,drafter                  # rehearse on a CPU (no figures)
 
 Random Qwen3-8B (bench_dflash's build), 4 x 3072 tokens per micro-batch, 5 drafter layers, B=16, 2048 blocks per
-micro-batch = SpecForge's num_anchors 512 per sequence (the peer's work). Parts, in order; each in try/except, so
-one failure prints its error and the rest still run; a part that cannot finish inside --budget-s is skipped:
+micro-batch (the anchor density: train_dflash.py's MAX_ANCHORS comment). Parts, in order; each in try/except, so
+one failure prints its error and the rest still run:
   limits   measured bf16 and FP8 (rowwise torch._scaled_mm) matmul peaks, and the tok/s limits they give at equal
            work: every FLOP at the bf16 peak, then the FP8-able ones (TARGET_FP8 + DRAFTER_FP8) at the FP8 peak
   split    planner.recommend_split at 512 and 2048 blocks from BENCHMARKS.md's per-role rates (no GPU work)
@@ -17,11 +18,11 @@ Random weights have none of a trained model's massive activations: their FP8 err
 reads a real HF folder for the error part instead).
 """
 import argparse
+import dataclasses
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +32,6 @@ from pathlib import Path
 import torch
 
 import planner
-import train_dflash as td
 from bench import bench_dflash as bd
 from model.fp8 import RECIPES, quantize_target
 from model.target import Target, target_features
@@ -83,13 +83,8 @@ def work_flops(c, anchors):
     T, n_run = sum(lengths), max(c.dcfg.target_layer_ids) + 1
     t_mm = n_run * 2 * bd.linear_params_per_layer(s) * T
     t_all = bd.target_flops(s, n_run, lengths)
-    saved = td.MAX_ANCHORS
-    td.MAX_ANCHORS = anchors
-    try:
-        ids, mask, attn, n = bd.make_batch(lengths, s.V, c.mask_id, 0)
-        _, positions, a = bd.packet_anchors(n, mask[attn.bool()], 0)
-    finally:
-        td.MAX_ANCHORS = saved
+    ids, mask, attn, n = bd.make_batch(lengths, s.V, c.mask_id, 0)
+    _, positions, a = bd.packet_anchors(n, mask[attn.bool()], 0, dataclasses.replace(c.step, max_anchors=anchors))
     M, R = len(a) * B, len(a) * (B - 1)
     d = bd.drafter_flops(s, L, K, T, M, R, bd.visible_pairs(positions, a, B))
     fc = 4 * K * s.H * s.H * T
@@ -227,7 +222,7 @@ def trainer_flags(args) -> list:
     return [f for a in args.trainer_args for f in a.split()]
 
 
-def part_trainer(res, c, args, timeout):
+def part_trainer(res, c, args):
     a = bench_args(args)
     assets = Path(args.assets).resolve()
     if not (assets / "target" / "config.json").exists():
@@ -242,17 +237,11 @@ def part_trainer(res, c, args, timeout):
     # the bench's own scratch run: the last call's final checkpoint would make RESUME=scratch refuse this one
     shutil.rmtree(REPO / "runs" / "fp8_h200_trainer", ignore_errors=True)
     t0 = time.time()
-    # the log is written as the run goes (a run stopped by the budget keeps what it printed: where it was)
+    # the log is written as the run goes (a run stopped early keeps what it printed: where it was)
     log_path = REPO / "runs" / "fp8_h200_trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     out = log_path.read_text()
     rates = [(int(m[1]), float(m[2]) * (1e3 if m[3] else 1)) for m in STATUS.finditer(out)]
     # steps 15 .. the one before the last: the last interval has no target forward left to run ahead of its steps
@@ -276,22 +265,13 @@ def part_trainer(res, c, args, timeout):
 
 # --- main -------------------------------------------------------------------------------------------------------------
 
-PARTS = {"limits": (part_limits, 15), "split": (part_split, 0), "target": (part_target, 100),
-         "drafter": (part_drafter, 110), "trainer": (part_trainer, 120)}   # name: (function, seconds it needs)
-
-
-class PartTimeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise PartTimeout("over the budget")
+PARTS = {"limits": part_limits, "split": part_split, "target": part_target, "drafter": part_drafter,
+         "trainer": part_trainer}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    ap.add_argument("--budget-s", type=float, default=290.0, help="skip a part that cannot finish inside this")
     ap.add_argument("--steps", type=int, default=5, help="timed forwards / drafter steps per variant")
     ap.add_argument("--drafter-recipes", default=RECIPES[0], help="drafter part: DRAFTER_FP8 recipes to time after "
                     "bf16, comma list of " + ", ".join(RECIPES) + " ('' = bf16 only)")
@@ -307,44 +287,30 @@ def main(argv=None):
                     help="the random target's shape; tiny rehearses the parts on a CPU (their figures mean nothing)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    unknown = [p for p in args.parts.split(",") if p not in PARTS]
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(unknown)}; allowed are {', '.join(PARTS)}")
     t_start = time.time()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    saved = {k: getattr(td, k) for k in td.CONFIG_KEYS}
-    c = bd.Context(bench_args(args))   # sets the trainer's constants to the bench shape (put back at the end)
+    c = bd.Context(bench_args(args))   # the trainer's settings at the bench shape (c.cfg, c.step)
     res = {"env": bd.environment(c)}
     e = res["env"]
     print(f"fp8_h200: {e['device']}, torch {e['torch']}, git {e['git']}, {e['date']}", flush=True)
-    try:
-        for name in args.parts.split(","):
-            fn, need = PARTS[name]
-            left = args.budget_s - (time.time() - t_start)
-            if left < need:
-                emit(res, name, f"SKIPPED: {left:.0f} s of the {args.budget_s:.0f} s budget left, it needs ~{need} s")
-                continue
-            t0 = time.time()
-            # a part that overruns the budget is stopped (the DRAFTER_FP8 drafter part once ran > 380 s of a
-            # 240 s budget); SIGALRM reaches Python code, such as torch.compile, between C calls
-            signal.signal(signal.SIGALRM, _alarm)
-            signal.alarm(max(1, int(left)))
-            try:
-                if name == "trainer":
-                    fn(res, c, args, timeout=max(60.0, left))
-                elif name in ("target", "drafter"):
-                    fn(res, c, args)
-                else:
-                    fn(res, c)
-            except Exception as err:  # noqa: BLE001 - one part's failure must not lose the others' figures
-                traceback.print_exc()
-                emit(res, name, f"ERROR {type(err).__name__} after {time.time() - t0:.0f} s: {str(err)[:500]}")
-            finally:
-                signal.alarm(0)
-            print(f"({name}: {time.time() - t0:.0f} s)", flush=True)
-            c.free()
-            if args.json:   # after every part: a run killed later keeps the figures so far
-                Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    finally:
-        for k, v in saved.items():
-            setattr(td, k, v)
+    for name in args.parts.split(","):
+        fn = PARTS[name]
+        t0 = time.time()
+        try:
+            if name in ("target", "drafter", "trainer"):
+                fn(res, c, args)
+            else:
+                fn(res, c)
+        except Exception as err:  # noqa: BLE001 - one part's failure must not lose the others' figures
+            traceback.print_exc()
+            emit(res, name, f"ERROR {type(err).__name__} after {time.time() - t0:.0f} s: {str(err)[:500]}")
+        print(f"({name}: {time.time() - t0:.0f} s)", flush=True)
+        c.free()
+        if args.json:   # after every part: a run killed later keeps the figures so far
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     print(f"fp8_h200: {time.time() - t_start:.0f} s in all", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))

@@ -1,4 +1,4 @@
-"""Generation throughput of data.engine (and, for reference, transformers' generate) on one GPU.
+"""Generation throughput of model.engine (and, for reference, transformers' generate) on one GPU.
 
     python -m bench.generate_bench --model ~/.cache/dflash/smollm2-135m-instruct --slots 256,512,1024 --hf 256
     python -m bench.generate_bench --shape smollm2-135m --slots 256,512,1024 --prompt-len 20:400 --new 64:512
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from data.engine import Engine, default_stop_ids, load_model
+from model.engine import Engine, default_stop_ids, load_model
 
 # name: transformers config class, its fields (random weights; only the shape matters for speed)
 SHAPES = {

@@ -7,7 +7,6 @@ makes and which consumes micro-batch g, which g an optimizer step takes, and the
 """
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -151,16 +150,16 @@ class Data:
 class Schedule:
     """Micro-batch g (global over epochs) is made by target g % n_targets. From the run's start g0 on, optimizer
     step i consumes g0 + i*per_step .. g0 + (i+1)*per_step - 1, and drafter d takes those with
-    (g - g0) % per_step % n_drafters == d. The LR is a function of data progress g / planned_g, so a run resumed with
-    another target:drafter split (another per_step) continues at the same micro-batch with the same LR.
+    (g - g0) % per_step % n_drafters == d. The LR is a function of data progress g / planned_g (optim.lr_at), so a
+    run resumed with another target:drafter split (another per_step) continues at the same micro-batch with the
+    same LR.
     total_g: the LR schedule's length (a resume's planned_g); None plans max_steps optimizer steps when max_steps is
     set (the data repeats as often as that needs, as HF Trainer's max_steps overrides its epochs), else epochs x
     num_batches."""
 
-    def __init__(self, num_batches, n_targets, n_drafters, grad_accum, lr, warmup_ratio, epochs, max_steps=0,
-                 start_g=0, total_g=None):
+    def __init__(self, num_batches, n_targets, n_drafters, grad_accum, epochs, max_steps=0, start_g=0, total_g=None):
         self.nb, self.T, self.D, self.g0 = num_batches, n_targets, n_drafters, start_g
-        self.grad_accum, self.peak_lr, self.warmup_ratio = grad_accum, lr, warmup_ratio
+        self.grad_accum = grad_accum
         self.per_step = n_drafters * grad_accum
         if total_g is None:   # a fresh plan (a resume keeps the checkpoint's, unless data or length settings changed)
             total_g = max_steps * self.per_step if max_steps else epochs * num_batches
@@ -195,9 +194,3 @@ class Schedule:
     def g_at(self, i):
         """First micro-batch of the i-th optimizer step of this run (0 = its first)."""
         return self.g0 + i * self.per_step
-
-    def lr(self, g):
-        warm = self.warmup_ratio * self.planned_g
-        if g < warm:   # capped: a warmup shorter than one optimizer step (fractional warm) must not overshoot LR
-            return self.peak_lr * min(1.0, (g + 1) / warm)
-        return self.peak_lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (g - warm) / max(1.0, self.planned_g - warm))))

@@ -1,6 +1,6 @@
 """Have the target write the assistant turns itself, so the drafter learns the target's distribution.
 
-    python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local (data.engine)
+    python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local (model.engine)
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --endpoint http://127.0.0.1:30000 \
         --served-model NAME --concurrency 32                                                  # SGLang / vLLM server
 
@@ -12,7 +12,7 @@ assistant turns of a row are what gets regenerated and are not read (prompt-only
 keeps the conversation up to its last user (or tool) turn and regenerates only the final answer. Output rows: the
 input row with `messages` replaced and `finish_reasons` added (one per generated turn: "stop" or "length").
 
-Local generation runs data.engine (continuous batching, CUDA graphs; `--batch-size` slots, 0 = as many as fit in
+Local generation runs model.engine (continuous batching, CUDA graphs; `--batch-size` slots, 0 = as many as fit in
 free GPU memory, `--max-len` tokens each); `--engine hf` runs transformers `generate` instead, the slow reference.
 Both write the same greedy rows. Sampled rows (`--temperature` > 0) from the engine depend only on `--seed`, the
 row id and the turn, so a resumed run samples what an uninterrupted one would have.
@@ -161,14 +161,14 @@ class Sink:
 # --- backends -------------------------------------------------------------------------------------------------------
 
 class LocalBackend:
-    """A local HF model (data.engine.load_model: bf16 on CUDA, fp32 on CPU). engine "fast": data.engine's
+    """A local HF model (model.engine.load_model: bf16 on CUDA, fp32 on CPU). engine "fast": model.engine's
     continuous batching, through `stream`; engine "hf": transformers `generate` in left-padded batches, through
-    `generate` (the slow reference). Both stop at data.engine.default_stop_ids."""
+    `generate` (the slow reference). Both stop at model.engine.default_stop_ids."""
 
     def __init__(self, path, device, dtype, max_new_tokens, temperature, thinking, seed, engine="fast", slots=0,
                  max_len=4096):
         import torch
-        from data.engine import Engine, auto_slots, check_family, default_stop_ids, load_model
+        from model.engine import Engine, auto_slots, check_family, default_stop_ids, load_model
         self.torch = torch
         self.model, self.tok = load_model(path, device, dtype)
         self.device, self.max_new, self.temperature, self.thinking = (
@@ -203,7 +203,7 @@ class LocalBackend:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
 
     def stream(self, prompts: list[list[int]], keys: list[int]):
-        """-> (index, text, finish reason) per prompt, in completion order (data.engine.Engine.generate)."""
+        """-> (index, text, finish reason) per prompt, in completion order (model.engine.Engine.generate)."""
         for i, ids, why in self.engine.generate(prompts, max_new_tokens=self.max_new, temperature=self.temperature,
                                                 stop_ids=self.stop_ids, keys=keys):
             yield i, self.decode(ids), why
@@ -310,7 +310,7 @@ def sample_key(rid: str, turn: int) -> int:
 
 
 def run_engine(backend, todo, sink, chunk, progress):
-    """Continuous batching (data.engine), `chunk` conversations at a time: every row's turn k, then turn k+1 (a
+    """Continuous batching (model.engine), `chunk` conversations at a time: every row's turn k, then turn k+1 (a
     turn's prompt needs the previous answer, and one engine call per turn keeps the engine's API a plain list).
     Rows are written as their last turn completes. A row whose template fails or whose prompt does not fit --max-len
     fails alone, before the engine runs; the engine is deterministic, so nothing is retried."""
@@ -385,7 +385,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--thinking", choices=["on", "off", "auto"], default="auto", help="enable_thinking for templates that have it")
     ap.add_argument("--engine", choices=["fast", "hf"], default="fast",
-                    help="local backend: data.engine's continuous batching, or transformers generate (slow reference)")
+                    help="local backend: model.engine's continuous batching, or transformers generate (slow reference)")
     ap.add_argument("--batch-size", type=int, default=0, help="local backend: engine slots (0 = as many as fit in "
                     f"free GPU memory), or for --engine hf conversations per generate call (0 = {HF_BATCH})")
     ap.add_argument("--max-len", type=int, default=4096, help="fast engine: prompt + answer tokens per slot; a longer "

@@ -37,7 +37,7 @@ judged only against those before it, so rows are the same however a run is cut i
 and restarted (with the same or a larger --num) reads back OUT and OUT.rejected.jsonl, rebuilds the filter state
 from them in index order, and goes on from the next index of each stream.
 
-Candidates stream through one engine run (data.engine.Engine.run): a conversation's next turn joins the running
+Candidates stream through one engine run (model.engine.Engine.run): a conversation's next turn joins the running
 batch as soon as its previous one is done, so the batch stays full to the end instead of draining at every stage.
 At most WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is written (flushed; fsynced within a
 second) once every lower index of its stream is, so a stop loses at most the candidates in flight; a SIGTERM or
@@ -80,7 +80,7 @@ from collections import Counter, deque
 from data import filters as F
 from data import resume
 from data.chat import end_of_turn, render, template_hash
-from data.engine import Request
+from model.engine import Request
 from data.regenerate import read_prompts, row_id
 
 ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
@@ -356,7 +356,7 @@ class Synth:
 
 def load_engine(args, max_len):
     """-> (engine, model); the model is only read for its generation config (tests replace this)."""
-    from data.engine import Engine, load_model
+    from model.engine import Engine, load_model
     model, _ = load_model(args.model, device=args.device, dtype=args.dtype)  # the tokenizer is load_tokenizer's
     try:
         return Engine(model, max_batch=args.batch_size, max_len=max_len, seed=args.seed,

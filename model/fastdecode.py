@@ -6,7 +6,7 @@ one CUDA graph per step kind (eval_dflash.py --method fast measures speedup with
     draft = fast.drafter(drafter, block_size=B)                      # a model.drafter.Drafter, its own static cache
     out = fast.speculative(prompt_ids, draft, max_new, eos)          # {"tokens": [...], "steps": [...]}
 
-The target runs the model's own submodules with data/engine.py's wiring (check_supported, qkv, the RoPE tables;
+The target runs the model's own submodules with model/engine.py's wiring (check_supported, qkv, the RoPE tables;
 q and k roped in one pass by rope(), bit for bit the models' apply_rotary_pos_emb): per layer a static cache [1, kv_heads, max_len, head_dim], written by position; a query at position p attends to
 the keys at positions <= p. So a verify block at p..p+B-1 is causal inside itself and full over the prefix, and the
 entries a rejected draft wrote are simply overwritten by the next block (its first position is the first one not
@@ -52,7 +52,7 @@ the drafter's pieces bit for bit on the CPU). The verify of B tokens runs the gr
 import torch
 import torch.nn.functional as F
 
-from data.engine import check_supported, rope_tables
+from model.engine import check_family, check_supported, rope_tables
 from model import drafter as drafter_lib
 from model.drafter import rope_cos_sin
 
@@ -85,6 +85,7 @@ class FastDecoder:
 
     def __init__(self, model, max_len, cuda_graphs=None):
         cfg = model.config.get_text_config()
+        check_family(cfg, fallback="--method decode")   # before its modules are read: a GPT-2 has no .layers
         self.decoder = model.get_decoder()
         self.layers = list(self.decoder.layers)
         attn = self.layers[0].self_attn
@@ -133,7 +134,7 @@ class FastDecoder:
         return logits, torch.cat([feats[l] for l in taps], dim=-1) if taps else None
 
     def _layer(self, layer, cache, x, pos, cos, rot_sin, mask):
-        """One decoder layer, data/engine.py's wiring (its qkv, with q and k roped in one pass; then attention over
+        """One decoder layer, model/engine.py's wiring (its qkv, with q and k roped in one pass; then attention over
         the whole cache): x [1, n, H] at positions pos [n] -> [1, n, H]; writes the n tokens' KV into cache."""
         attn, (kc, vc), n, D = layer.self_attn, cache, x.shape[1], self.head_dim
         h = layer.input_layernorm(x)
@@ -195,7 +196,7 @@ class FastDecoder:
             step()
 
     def _capture(self, key, step):
-        """The engine's pattern (data/engine.py Engine._capture): warm-up runs on a side stream, then the capture,
+        """The engine's pattern (model/engine.py Engine._capture): warm-up runs on a side stream, then the capture,
         every graph in one memory pool (they never run concurrently and keep nothing in it between replays). The
         warm-up runs change the state, so it is called before a decode's prefill, which sets it (see _ready)."""
         side = torch.cuda.Stream()

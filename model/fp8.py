@@ -37,7 +37,10 @@ import torch
 import torch.nn as nn
 
 MIN_CAPABILITY = (8, 9)     # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
-TORCHAO = "torchao==0.18.0"
+# not in requirements.txt: transformers imports torchao at start-up whenever it is installed (its quantizer
+# registry), and torchao's prebuilt extensions print "Failed to load ..." where they do not fit (a CPU machine, another
+# Python). Only the FP8 switches need it; they ask for it (check) before any model loads.
+TORCHAO = "requirements-fp8.txt"
 
 
 def check(name: str, device, fix: str = "") -> str | None:
@@ -57,7 +60,7 @@ def check(name: str, device, fix: str = "") -> str | None:
     try:
         import torchao  # noqa: F401
     except ImportError:
-        return f"{name} needs torchao: pip install {TORCHAO} (requirements.txt), or {off}"
+        return f"{name} needs torchao, an optional package: pip install -r {TORCHAO}, or {off}"
     return None
 
 

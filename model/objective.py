@@ -1,6 +1,11 @@
 """Training objective on the packed layout: anchors, blocks, weighted CE (exp decay or D-PACE), acc and streak
 (docs/ALGORITHM.md).
 
+The loss weighting lives here, all of it: `make_blocks` writes the exp decay into the blocks' weights
+(LOSS_WEIGHTING=exp trains on them, and the status line's loss reads them under either weighting), `dpace_reweight`
+makes D-PACE's weights from the drafter's own predictions, `block_loss` picks between the two, and `decay_weighted`
+reads any loss on the exp scale.
+
 Packed layout: sequences back to back, [T] per token (input_ids, loss_mask, doc_ids, positions).
 A block for anchor a is [x_a, MASK * (B-1)] at positions a_pos .. a_pos+B-1; slot k predicts x_{a+k}
 (same-position prediction), slot 0 is the anchor itself and never supervised.
@@ -296,6 +301,29 @@ def dpace_reweight(weights, rows, block_size, alpha):
         q[rows] = torch.exp(-ce)
         return dpace_weights(q.view(-1, block_size), supervised, alpha).flatten()[rows]
     return reweight
+
+
+WEIGHTINGS = ("dpace", "exp")   # LOSS_WEIGHTING's values
+
+
+def block_loss(hidden, lm_head_weight, item, block_size, weighting, dpace_alpha, chunk_size) -> LossParts:
+    """weighted_ce of a Prepared micro-batch (hidden [N*B, H]) under LOSS_WEIGHTING `weighting`: exp trains on the
+    decay make_blocks wrote into item.weights; dpace on D-PACE's weights (dpace_alpha), made from the drafter's own
+    predictions (detached) after the last chunk. Either way the gradients hold sum(w * CE); the step divides them
+    by the global sum of the same w."""
+    assert weighting in WEIGHTINGS, f"LOSS_WEIGHTING={weighting!r}: allowed are {', '.join(WEIGHTINGS)}"
+    reweight = dpace_reweight(item.weights, item.rows, block_size, dpace_alpha) if weighting == "dpace" else None
+    return weighted_ce(hidden, lm_head_weight, item.labels, item.weights, chunk_size, rows=item.rows,
+                       reweight=reweight)
+
+
+def decay_weighted(parts, item, weighting):
+    """(sum w * CE, sum w) under the exp decay of item.weights whatever the weighting: the status line's loss, so
+    runs with either weighting read on one scale."""
+    if weighting == "exp":
+        return parts.loss_sum.detach(), parts.weight_sum
+    w = item.weights.index_select(0, item.rows)                                              # [R]
+    return (w * parts.ce).sum(), w.sum()
 
 
 def block_metrics(correct, weights):

@@ -146,6 +146,7 @@ def test_the_kernel_compiles_for_an_h200_on_a_cpu(dtype):
         assert out.asm.get("cubin"), (write_grad, fp8_rows)
 
 
+@pytest.mark.job
 def test_kernel_matches_eager_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)

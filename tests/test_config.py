@@ -1,10 +1,14 @@
-"""check_config's ranges and the LR schedule, in-process (no job is started)."""
+"""settings.py: check_config's ranges, --NAME=VALUE and --help; the LR schedule. In-process (no job is started)."""
 import math
+import subprocess
+import sys
 
 import pytest
 
+import settings
 import train_dflash as td
 from data.loader import Schedule
+from optim import lr_at
 
 
 @pytest.fixture
@@ -34,8 +38,8 @@ def cfg(tiny_llama_dir, tmp_path, monkeypatch):
 def test_every_numeric_constant_has_a_range():
     numeric = [k for k in td.CONFIG_KEYS if isinstance(getattr(td, k), (int, float))
                and not isinstance(getattr(td, k), bool)]
-    assert sorted(set(numeric) - set(td.RANGES)) == [], "add the new constant's allowed range to RANGES"
-    assert all(td.RANGES[k][0] <= getattr(td, k) for k in numeric), "a default outside its own range"
+    assert sorted(set(numeric) - set(settings.RANGES)) == [], "add the new constant's allowed range to RANGES"
+    assert all(settings.RANGES[k][0] <= getattr(td, k) for k in numeric), "a default outside its own range"
 
 
 @pytest.mark.parametrize("name,value,message", [
@@ -79,8 +83,8 @@ def test_out_dir_that_is_a_file_and_target_without_weights(cfg, tiny_llama_dir, 
 @pytest.mark.parametrize("ratio", [0.0, 0.001, 0.04, 0.3, 0.999])
 @pytest.mark.parametrize("per_step", [1, 3])
 def test_lr_never_exceeds_the_peak(steps, ratio, per_step):
-    s = Schedule(10_000, 1, 1, grad_accum=per_step, lr=td.LR, warmup_ratio=ratio, epochs=1, max_steps=steps)
-    lrs = [s.lr(s.g0 + i * s.per_step) for i in range(s.steps)]
+    s = Schedule(10_000, 1, 1, grad_accum=per_step, epochs=1, max_steps=steps)
+    lrs = [lr_at(s.g0 + i * s.per_step, s.planned_g, td.LR, ratio) for i in range(s.steps)]
     assert max(lrs) <= td.LR, (max(lrs), td.LR)
     assert all(x >= 0 for x in lrs)
     if ratio * s.planned_g >= 2 * per_step:   # a real warmup: it rises, then the cosine falls
@@ -90,7 +94,65 @@ def test_lr_never_exceeds_the_peak(steps, ratio, per_step):
 def test_max_steps_is_the_run_length_whatever_the_epochs():
     """MAX_STEPS set: the run takes that many optimizer steps, the data repeating as often as needed (a 10-batch
     epoch, EPOCHS=1, 25 steps of 2 micro-batches = 5 passes); MAX_STEPS=0: EPOCHS passes."""
-    s = Schedule(10, 1, 1, grad_accum=2, lr=td.LR, warmup_ratio=0.0, epochs=1, max_steps=25)
+    s = Schedule(10, 1, 1, grad_accum=2, epochs=1, max_steps=25)
     assert (s.steps, s.planned_g) == (25, 50)
-    s = Schedule(10, 1, 1, grad_accum=2, lr=td.LR, warmup_ratio=0.0, epochs=3, max_steps=0)
+    s = Schedule(10, 1, 1, grad_accum=2, epochs=3, max_steps=0)
     assert (s.steps, s.planned_g) == (15, 30)
+
+
+def test_overrides_set_typed_values_and_refuse_unknown_names():
+    defaults = {"LR": 6e-4, "COMPILE_TARGET": False, "RESUME": "auto"}
+    c, given = settings.parse_overrides(["--LR=1e-3", "--COMPILE_TARGET=yes"], defaults, td.REPO / "train_dflash.py")
+    assert c == {"LR": 1e-3, "COMPILE_TARGET": True, "RESUME": "auto"} and given == {"LR", "COMPILE_TARGET"}
+    assert defaults["LR"] == 6e-4                                     # the defaults are not changed
+    with pytest.raises(SystemExit, match="unknown setting --LRR .*did you mean LR"):
+        settings.parse_overrides(["--LRR=1"], defaults, td.REPO / "train_dflash.py")
+    with pytest.raises(SystemExit, match="not a valid float"):
+        settings.parse_overrides(["--LR=fast"], defaults, td.REPO / "train_dflash.py")
+
+
+def test_help_lists_every_constant_with_its_comment_in_its_group():
+    text = settings.help_text(td.REPO / "train_dflash.py")
+    lines = text.splitlines()
+    for k in td.CONFIG_KEYS:
+        assert any(l.startswith(f"  --{k}=") for l in lines), f"--help lacks {k}"
+    lr = next(l for l in lines if l.startswith("  --LR="))
+    assert lr.split()[0] == "--LR=6e-4" and "peak learning rate" in lr
+    groups = [l for l in lines if l.endswith(":") and not l.startswith(" ")]
+    assert groups[:2] == ["what to train:", "objective:"], groups
+    # a constant's continuation comment follows it
+    anchors = lines.index(next(l for l in lines if l.startswith("  --MAX_ANCHORS=")))
+    assert "1K tokens" in lines[anchors + 1]
+    assert lines.index("optimisation:") < lines.index(next(l for l in lines if l.startswith("  --GRAD_CLIP=")))
+
+
+@pytest.mark.job
+def test_help_prints_instead_of_an_error():
+    r = subprocess.run([sys.executable, str(td.REPO / "train_dflash.py"), "--help"], capture_output=True, text=True,
+                       cwd=td.REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--TOKEN_BUDGET=16384" in r.stdout and "tokens per micro-batch" in r.stdout
+    assert "error" not in r.stdout + r.stderr.lower().replace("failed to load", "")
+
+
+def test_init_from_a_target_folder_says_it_is_not_a_drafter(tiny_qwen3_dir):
+    """INIT_FROM pointed at a target (or any HF model folder) instead of an exported drafter: a message that says
+    what the folder is and what INIT_FROM takes, not a KeyError from the config reader."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from model.drafter import DrafterConfig
+    dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tiny_qwen3_dir, local_files_only=True), 1, 4,
+                                     mask_token_id=127)
+    c = SimpleNamespace(INIT_FROM=str(tiny_qwen3_dir), TARGET=str(tiny_qwen3_dir))
+    with pytest.raises(SystemExit, match=r"is not an exported drafter .*a target or other HF model folder\?\). "
+                                         r"INIT_FROM takes a drafter this trainer exported"):
+        settings.check_init_from(c, dcfg)
+
+
+def test_configuration_page_documents_every_constant():
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    missing = [k for k in td.CONFIG_KEYS if f"| `{k}` |" not in page]
+    assert not missing, f"docs/configuration.md's table lacks {missing}"

@@ -1,4 +1,4 @@
-"""data/engine.py against transformers' generate: greedy token for token on tiny random Llama and Qwen3 (and on
+"""model/engine.py against transformers' generate: greedy token for token on tiny random Llama and Qwen3 (and on
 SmolLM2 when present) with fewer slots than prompts and stop ids hit mid-way; the Gumbel sampler's determinism
 per (seed, key) and its distribution; refusals; regenerate's fast engine writing what --engine hf writes. CPU, fp32."""
 import json
@@ -10,7 +10,7 @@ from conftest import SMOLLM2_DIR
 from data import regenerate as regen
 from collections import deque
 
-from data.engine import Engine, Request, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
+from model.engine import Engine, Request, _fold, _mix32, default_stop_ids, gumbel_argmax, key_hash, load_model
 
 
 

@@ -250,6 +250,7 @@ def cli(target_dir, folder, *extra, drafters=("d0", "d1"), prompts_file="p.jsonl
             "--prompts", str(folder / prompts_file), "--device", "cpu", "--max-new-tokens", "12", *extra]
 
 
+@pytest.mark.job   # --workers 2 starts worker processes
 def test_cli_workers_equal_one_process(cli_folder, tiny_qwen3_dir, capsys):
     args = cli(tiny_qwen3_dir, cli_folder, "--tree-budget", "6")
     one = main(args + ["--workers", "1", "--out", str(cli_folder / "w1.json")])
@@ -274,6 +275,7 @@ def test_cli_workers_equal_one_process(cli_folder, tiny_qwen3_dir, capsys):
     assert "2 workers sharing the device" in text2 and "workers sharing" not in text1
 
 
+@pytest.mark.job   # --workers 2 starts worker processes
 def test_cli_failing_worker_fails_the_run(cli_folder, tiny_qwen3_dir):
     rows = [json.loads(line) for line in (cli_folder / "p.jsonl").read_text().splitlines()][:3]
     rows[1]["input_ids"][2] = 10_000                                  # outside the vocabulary: only worker 1 has it

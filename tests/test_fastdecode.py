@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import SMOLLM2_DIR, TINY
-from data.engine import SUPPORTED
+from model.engine import SUPPORTED
 from eval_dflash import DrafterProposer, encode_prompt, eos_ids, greedy_decode, main, speculative_decode, target_forward
 from model.drafter import DrafterCache, _apply_rope, rope_cos_sin
 from model.export import export_drafter

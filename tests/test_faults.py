@@ -1,6 +1,6 @@
 """Faults injected into real runs (issue 4): kill -9 of each role, SIGTERM and SIGKILL during a checkpoint write,
 truncated / corrupted / missing checkpoints, a full disk, a hung and a frozen rank, bad rows in the dataset and
-impossible configuration. Each test asserts what the job does; the README's fault table points here.
+impossible configuration. Each test asserts what the job does; docs/faults.md's table points here.
 
 Runs are real torchrun jobs on the tiny target of tests/runs.py (1 target + 2 drafter ranks, gloo, CPU). Faults
 inside a process come from tests/faults/sitecustomize.py, put on PYTHONPATH and switched on by FAULT_* variables
@@ -55,6 +55,7 @@ def reference(reference_run):
     return out
 
 
+@pytest.mark.job
 def test_reference_run_ends_cleanly(reference_run):
     """After the last save every rank exits 0 and none reports the others' normal exit as a death (a race seen
     while this suite was written: the master left first and a waiting rank's watchdog called it dead)."""
@@ -177,6 +178,7 @@ def kill_points():
     return points
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("role,k,delay", kill_points())
 def test_kill9_ends_job_and_resume_matches_uninterrupted(role, k, delay, assets, reference, faults, tmp_path):
     rank = ROLES[role]
@@ -207,6 +209,7 @@ def test_kill9_ends_job_and_resume_matches_uninterrupted(role, k, delay, assets,
     check_named_dead(log, rank)
 
 
+@pytest.mark.job
 def test_kill9_of_target_names_it_while_drafters_wait_on_it(assets, faults, tmp_path):
     """Deterministic version of the naming check: both drafters are blocked receiving from the target when it
     dies, so their gloo receive fails at once."""
@@ -230,6 +233,7 @@ def wait_mid_save(job, ck):
     assert (ck / ".tmp-step_000004" / "state.pt").is_file(), (sorted(map(str, ck.rglob("*"))), job.text[-3000:])
 
 
+@pytest.mark.job
 @pytest.mark.slow
 def test_sigkill_of_writer_mid_save_resumes_from_previous(assets, reference, faults, tmp_path):
     """kill -9 of the checkpoint writer while state.pt is half on disk: the .tmp- folder is never a checkpoint."""
@@ -255,6 +259,7 @@ def test_sigkill_of_writer_mid_save_resumes_from_previous(assets, reference, fau
 
 # --- SIGTERM during a checkpoint write ----------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_sigterm_during_checkpoint_write(assets, faults, tmp_path):
     """The half-written folder is never listed while it is written; the save completes, the job stops at the
     next step boundary with one more checkpoint, and every checkpoint verifies and loads."""
@@ -372,6 +377,7 @@ def test_keep_last_never_deletes_the_checkpoint_just_written(tmp_path):
     assert ckpt.load_state(ckpt.step_dir(tmp_path, 4))["drafter"]["w"][0] == 40
 
 
+@pytest.mark.job
 def test_resume_falls_back_past_corrupt_truncated_and_missing(assets, reference, tmp_path):
     """End to end: checkpoints of the reference run with the newest truncated, the next corrupted and the one
     before missing. RESUME=<path> to a broken one is a clear error before any model loads; RESUME=auto names each
@@ -426,6 +432,7 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("full_in", ["state.pt", "drafter"])
 def test_real_full_disk_is_reported_as_disk_full(small_fs, full_in):
     """A real full filesystem, not an injected error: torch.save to a path says 'unexpected pos' (RuntimeError)
@@ -444,6 +451,7 @@ def test_real_full_disk_is_reported_as_disk_full(small_fs, full_in):
     ckpt.load_state(ckpt.step_dir(small_fs, 1))
 
 
+@pytest.mark.job
 def test_disk_full_while_saving_stops_the_job(assets, faults, tmp_path):
     out = tmp_path / "run"
     faults(RANK=1, SAVE_ENOSPC=2)                  # the second checkpoint (step 4) hits a full disk
@@ -481,6 +489,7 @@ def hung_run(assets, tmp_path_factory):
     return took, code, job.text
 
 
+@pytest.mark.job
 def test_hung_target_rank_ends_the_job_within_stall_timeout(hung_run):
     took, code, log = hung_run
     assert code is not None and code != 0
@@ -491,11 +500,13 @@ def test_hung_target_rank_ends_the_job_within_stall_timeout(hung_run):
     assert "no heartbeat" not in log, "a live heartbeat must not be reported as dead"
 
 
+@pytest.mark.job
 def test_hung_target_rank_state_names_the_stuck_forward(hung_run):
     abort = next(l for l in hung_run[2].splitlines() if "ABORT" in l)
     assert re.search(r"rank 0 \(target\): target forward g=3\b", abort), f"stuck rank/state not named: {abort}"
 
 
+@pytest.mark.job
 def test_frozen_rank_is_named_within_heartbeat_timeout(assets, faults, tmp_path):
     """SIGSTOP freezes every thread of the target, heartbeat included (a hung host, a stuck driver)."""
     hb = 8
@@ -520,6 +531,7 @@ def test_frozen_rank_is_named_within_heartbeat_timeout(assets, faults, tmp_path)
 
 # --- bad rows in a prepared dataset -----------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_bad_rows_are_dropped_counted_and_the_run_completes(assets, tmp_path):
     from datasets import Dataset, load_from_disk
     target, data = assets
@@ -573,6 +585,7 @@ def not_a_causal_lm(tmp_path):
     return {"TARGET": folder}
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("nproc,override,message", [
     (3, lambda p: {"TARGET_RANKS": 3}, r"TARGET_RANKS=3 must be between 1 and world size - 1 = 2"),
     (1, lambda p: {"BLOCK_SIZE": 1}, r"BLOCK_SIZE=1 must be >= 2"),
@@ -601,6 +614,7 @@ def test_impossible_config_fails_before_any_model_loads(assets, tmp_path, nproc,
 
 # --- errors on a worker thread of the one-process mode ------------------------------------------------------------------
 
+@pytest.mark.job
 def test_one_process_mode_ends_on_an_error_in_its_feeder_thread(assets, faults, tmp_path):
     """`python train_dflash.py`: the thread that pads micro-batches fails at its 3rd batch. The job ends with that
     error (it waited forever for the next micro-batch before)."""
@@ -627,6 +641,7 @@ def one_process(argv):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.job
 def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tmp_path):
     """The feeder thread hangs in its 3rd target forward: the first SIGTERM asks for a checkpoint at the next step,
     which never comes; the second ends the job at once, saying so."""
@@ -637,7 +652,7 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert runs.wait_for(proc, "saving a checkpoint at the next step", 10, lines), "".join(lines)
-        from train_dflash import SECOND_SIGNAL_S
+        from pipe import SECOND_SIGNAL_S
         time.sleep(SECOND_SIGNAL_S + 0.5)          # sooner it would be the same signal, forwarded (next test)
         proc.send_signal(signal.SIGTERM)
         code, rest, waited = runs.finish(proc, 20)
@@ -646,6 +661,7 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
     assert "error: got a second SIGTERM: ending now, without a checkpoint" in log, log[-3000:]
 
 
+@pytest.mark.job
 def test_one_signal_delivered_twice_still_saves_a_checkpoint(assets, faults, tmp_path):
     """Ctrl-C in launch.sh's tmux pane reaches each rank twice: from the terminal, and forwarded by torchrun a moment
     later. Two signals within SECOND_SIGNAL_S are one request: the job saves a checkpoint and stops cleanly."""
@@ -664,6 +680,7 @@ def test_one_signal_delivered_twice_still_saves_a_checkpoint(assets, faults, tmp
 
 # --- two jobs on one OUT_DIR --------------------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_out_dir_lock_refuses_a_second_holder_and_survives_a_dead_one(tmp_path):
     """flock semantics: a second open of the lock (another job) is refused with the holder's host and pid; the
     lock of a process that was killed is free again, and the file's leftover name is reported."""
@@ -692,6 +709,7 @@ def hold_lock(out):
     return p
 
 
+@pytest.mark.job
 def test_trainer_refuses_a_locked_out_dir_before_any_model_loads(assets, tmp_path):
     out = tmp_path / "run"
     holder = hold_lock(out)
@@ -706,6 +724,7 @@ def test_trainer_refuses_a_locked_out_dir_before_any_model_loads(assets, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [".lock"], "the refused job wrote nothing"
 
 
+@pytest.mark.job
 @pytest.mark.slow
 def test_second_job_on_a_busy_out_dir_is_refused_before_any_model_loads(assets, faults, tmp_path):
     out = tmp_path / "run"
@@ -739,6 +758,7 @@ def eval_assets(assets, tmp_path, thinking="off"):
     return target, tmp_path / "data", prompts
 
 
+@pytest.mark.job
 def test_slow_evaluation_is_not_a_stall(assets, faults, tmp_path):
     """EVAL_EVERY's evaluation holds the other ranks up for longer than STALL_TIMEOUT: the watchdog knows it is an
     evaluation (it ended the job as a stall before). It also renders prompts in the dataset's thinking mode."""
@@ -753,6 +773,7 @@ def test_slow_evaluation_is_not_a_stall(assets, faults, tmp_path):
     assert [m["step"] for m in runs.metrics(tmp_path / "run") if "tau" in m] == [2]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("row,message", [
     ('{"messages": [{"role": "assistant", "content": "hi"}]}', "has no user turn"),
     ('{"prompt": "hello"}', "is text, and TARGET=\\S+ has no tokenizer"),

@@ -10,7 +10,8 @@ from runs import base_args, cpu_rowwise_scaled_mm_missing, make_dataset, make_ta
 
 
 def needs_torchao():
-    pytest.importorskip("torchao", reason="FP8 goes through torchao (requirements.txt: torchao==0.18.0)")
+    pytest.importorskip("torchao", reason="FP8 goes through torchao: pip install -r requirements-fp8.txt "
+                                          "(FP8=1 bash launch.sh; CI installs it)")
 
 
 def test_fp8_needs_an_sm89_gpu(monkeypatch):
@@ -24,6 +25,7 @@ def test_fp8_needs_an_sm89_gpu(monkeypatch):
     assert fp8.check("DRAFTER_FP8", torch.device("cuda", 0)) is None
 
 
+@pytest.mark.job
 def test_trainer_refuses_fp8_on_a_cpu_before_loading_anything(tmp_path):
     target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
     # DEVICE=cpu: on a GPU machine "auto" would pick the GPU, where FP8 is allowed
@@ -221,6 +223,7 @@ def test_head_fp8_refuses_a_trainable_lm_head_and_odd_shapes():
         fp8.HeadFP8(W[:500])
 
 
+@pytest.mark.job
 def test_trainer_refuses_head_fp8_for_a_vocabulary_not_a_multiple_of_16(tmp_path):
     import json
     target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
@@ -232,6 +235,7 @@ def test_trainer_refuses_head_fp8_for_a_vocabulary_not_a_multiple_of_16(tmp_path
         r.stderr[-2000:]
 
 
+@pytest.mark.job
 def test_trainer_refuses_head_fp8_with_the_unchunked_loss(tmp_path):
     target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
     r = run(1, base_args(target, data, tmp_path / "out", HEAD_FP8=True, CE_CHUNK=0))

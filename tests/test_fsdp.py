@@ -78,6 +78,7 @@ def assert_close_exports(got, want):
 
 # --- the gradient ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_fsdp_gradient_is_the_globally_normalised_sum():
     """Two drafter ranks, two micro-batches each with different loss weights, no sync on the first (FSDP2's
     set_requires_gradient_sync), then the trainer's optimizer_step with plain SGD at lr 1: every weight moves by
@@ -94,6 +95,7 @@ def _gradient_worker():
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     import train_dflash as td
+    from step import optimizer_step
     from model.drafter import Drafter, DrafterConfig
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,7 +125,6 @@ def _gradient_worker():
     d = type("D", (), {"drafters": group, "device": torch.device("cpu"), "dtype": torch.float32})()
     td.shard_drafter(d, sharded)
     opt = torch.optim.SGD(sharded.parameters(), lr=1.0)
-    td.GRAD_CLIP = 1e9                                          # no clipping: the step is the gradient itself
     step_w = torch.zeros(1, dtype=torch.float64)
     mine = [micro_batch(2 * rank + m) for m in range(2)]
     for m, mb in enumerate(mine):
@@ -131,7 +132,7 @@ def _gradient_worker():
         loss, w = loss_sum(sharded, sharded, mb)
         loss.backward()
         step_w += w
-    td.optimizer_step(list(sharded.parameters()), opt, step_w, n_drafters=world, group=group)
+    optimizer_step(list(sharded.parameters()), opt, step_w, 1e9, n_drafters=world, group=group)   # 1e9: no clip
     after = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sharded.state_dict().items()}
 
     torch.manual_seed(0)
@@ -152,6 +153,7 @@ def _gradient_worker():
 
 # --- the trainer ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_fsdp_trains_like_ddp_and_exports_the_same_drafter(ddp_run, fsdp_run):
     assert_same_curve(fsdp_run, ddp_run)
     assert_close_exports(fsdp_run, ddp_run)
@@ -164,6 +166,7 @@ def test_fsdp_trains_like_ddp_and_exports_the_same_drafter(ddp_run, fsdp_run):
     assert sorted(p.name for p in (folder / ckpt.SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.job
 def test_a_sharded_checkpoint_without_its_metadata_is_incomplete(fsdp_run, tmp_path):
     folder = tmp_path / "step"
     shutil.copytree(ckpt.step_dir(fsdp_run / "checkpoints", 2), folder)
@@ -173,6 +176,7 @@ def test_a_sharded_checkpoint_without_its_metadata_is_incomplete(fsdp_run, tmp_p
         ckpt.verify(folder)
 
 
+@pytest.mark.job
 def test_sharded_checkpoint_resumes_exactly(assets, fsdp_run, tmp_path):
     out = resumed_from(fsdp_run, 2, tmp_path / "run")
     r = job(assets, out, DRAFTER_SHARDING="fsdp")
@@ -182,6 +186,7 @@ def test_sharded_checkpoint_resumes_exactly(assets, fsdp_run, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in b), "the resumed run ends with other weights"
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("drafters", [1, 3])
 def test_sharded_checkpoint_resumes_onto_another_number_of_drafter_ranks(assets, fsdp_run, tmp_path, drafters):
     """Saved by 2 drafter ranks, resumed by 1 (GRAD_ACCUM 6) or 3 (GRAD_ACCUM 2): DCP reshards."""
@@ -192,6 +197,7 @@ def test_sharded_checkpoint_resumes_onto_another_number_of_drafter_ranks(assets,
     assert_close_exports(out, fsdp_run)
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), ("ddp", "fsdp")])
 def test_checkpoints_resume_across_ddp_and_fsdp(assets, ddp_run, fsdp_run, tmp_path, written, resumed):
     src = {"ddp": ddp_run, "fsdp": fsdp_run}[written]
@@ -202,6 +208,7 @@ def test_checkpoints_resume_across_ddp_and_fsdp(assets, ddp_run, fsdp_run, tmp_p
     assert_close_exports(out, src)
 
 
+@pytest.mark.job
 def test_fsdp_refuses_the_one_process_mode(assets, tmp_path):
     target, data = assets
     r = runs.run(1, runs.base_args(target, data, tmp_path / "out", DRAFTER_SHARDING="fsdp"))

@@ -10,6 +10,7 @@ from runs import base_args, make_dataset, make_target, metrics, padded, run
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
+@pytest.mark.job
 def test_nccl_features_equal_direct_and_flex_training_learns(tmp_path):
     from model.drafter import default_layer_ids
     from model.target import Target

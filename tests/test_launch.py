@@ -37,6 +37,7 @@ def tiny(tmp_path_factory):
     return make_target(d / "target"), make_dataset(d / "data", n=8)
 
 
+@pytest.mark.job
 def test_bad_flags_stop_before_anything_starts(tmp_path, tiny):
     target, data = tiny
     out = tmp_path / "run"
@@ -50,6 +51,7 @@ def test_bad_flags_stop_before_anything_starts(tmp_path, tiny):
     assert r.returncode == 2 and "OUT_DIR is empty" in r.stderr
 
 
+@pytest.mark.job
 def test_out_dir_flag_demo_settings_and_port(tmp_path, tiny):
     if not (SMOLLM2_DIR / "config.json").exists():
         pytest.skip(f"the demo target is missing ({SMOLLM2_DIR}): build it with `.venv/bin/python -m tools.smollm2`")
@@ -73,6 +75,7 @@ def test_out_dir_flag_demo_settings_and_port(tmp_path, tiny):
     assert f"log {out}/train.log" in r.stdout  # OUT_DIR from the environment when no flag names one
 
 
+@pytest.mark.job
 def test_tmux_session_of_an_ended_job_is_replaced(tmp_path, tiny):
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed: launch.sh runs in the foreground without it")
@@ -109,6 +112,7 @@ def test_tmux_session_of_an_ended_job_is_replaced(tmp_path, tiny):
         tmux("kill-session", "-t", f"={session}")
 
 
+@pytest.mark.job
 def test_the_last_line_says_how_the_job_ended(tmp_path, tiny):
     """tools/job_outcome.sh, which launch.sh prints when a job ends: the first ABORT line of this run's part of the
     appended log (torchrun's [rankN]: prefix dropped), else its last done / stopped / error / DRY_RUN line; an

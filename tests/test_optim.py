@@ -1,5 +1,6 @@
 """optim.py: the drafter's chunked AdamW equals the plain two-group AdamW, and on CUDA the overlapped step (side
-stream, the forward waiting per chunk) equals the step after the backward, bitwise."""
+stream, the forward waiting per chunk) equals the step after the backward, bitwise; scale_clip_ against
+mul_ + clip_grad_norm_; the LR schedule."""
 import copy
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from model.attention import make_attn_spec
 from model.objective import pack
-from optim import ChunkedAdamW, make_optimizer, param_chunks
+from optim import ChunkedAdamW, make_optimizer, param_chunks, scale_clip_
 
 
 def _inputs(drafter, device, seed=0):
@@ -130,3 +131,52 @@ def test_reads_the_former_two_group_optimizer_state(build_drafter, tiny_qwen3_di
     small = torch.optim.AdamW([{"params": params[:3]}, {"params": params[-1:]}], lr=1e-2)
     with pytest.raises(ValueError, match="groups of \\[3, 1\\] parameters"):
         make_optimizer(build_drafter(tiny_qwen3_dir, num_layers=2), 1e-2, 0.0).load_state_dict(small.state_dict())
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])     # clipping binds / does not
+def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    scale = torch.tensor([0.37])                          # the trainer passes a [1] tensor
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    got = [torch.nn.Parameter(torch.zeros(s)) for s in shapes] + [torch.nn.Parameter(torch.zeros(2))]   # no grad
+    for p, q, x in zip(ref, got, grads):
+        p.grad, q.grad = x.clone(), x.clone()
+    for p in ref:
+        p.grad.mul_(scale)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    norm = scale_clip_(got, scale, max_norm)
+    torch.testing.assert_close(norm, want_norm)
+    for p, q in zip(ref, got):
+        torch.testing.assert_close(q.grad, p.grad)
+    assert got[-1].grad is None
+
+
+def test_scale_clip_hands_the_factor_to_a_fused_optimizer():
+    """With a fused AdamW (the trainer's on GPU; fused AdamW runs on CPU too) the factor goes to the optimizer's
+    grad_scale instead of a multiply: the updated parameters equal mul_ + clip_grad_norm_ + a plain step's."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    scale = torch.tensor([0.37])
+    for max_norm in (1e-3, 1e3):
+        ps = {k: [torch.nn.Parameter(x.clone()) for x in init] for k in ("ref", "got")}
+        opts = {k: torch.optim.AdamW(v, lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+                for k, v in ps.items()}
+        for _ in range(3):                                 # grad_scale is set again before every step
+            grads = [torch.randn(s, generator=g) * 5 for s in shapes]
+            for k in ps:
+                for p, x in zip(ps[k], grads):
+                    p.grad = x.clone()
+            for p in ps["ref"]:
+                p.grad.mul_(scale)
+            want = torch.nn.utils.clip_grad_norm_(ps["ref"], max_norm)
+            opts["ref"].step()
+            norm = scale_clip_(ps["got"], scale, max_norm, opts["got"])
+            torch.testing.assert_close(ps["got"][0].grad, grads[0], rtol=0, atol=0)   # left as they were
+            opts["got"].step()
+            torch.testing.assert_close(norm, want)
+            for p, q in zip(ps["ref"], ps["got"]):
+                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ps["got"][0], init[0]), "the parameters moved"

@@ -1,5 +1,5 @@
-"""pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks, the
-one-process mode and the bench), pipe.TargetAhead (the one process's compiled target forward on the main thread),
+"""pipe.BusyClock; pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks,
+the one-process mode and the bench), pipe.TargetAhead (the one process's compiled target forward on the main thread),
 and checkpoint.resume_point, where a resumed run continues."""
 import os
 import subprocess
@@ -11,9 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import checkpoint as ckpt
-from pipe import Prefetcher, TargetAhead
+from pipe import BusyClock, Prefetcher, TargetAhead
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,6 +138,7 @@ def test_resume_point_moves_to_the_same_fraction_when_batching_or_data_change():
     assert (rp.start_g, rp.planned_g, rp.error) == (3, None, None) and rp.notes[0].startswith("WARNING: dataset")
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("wait", ["pipe.wake_get(queue.Queue())",
                                   "q = queue.Queue(maxsize=1); q.put(0); pipe.wake_put(q, 1)"])
 def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread(wait):
@@ -156,3 +158,12 @@ def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread(wa
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=20)
     assert r.returncode == 7, r.stderr[-2000:]
+
+
+def test_busy_clock_skips_the_warmup_units():
+    clock = BusyClock(torch.device("cpu"), skip=2)
+    for tokens, wait in [(100, 0.05), (200, 0.05), (300, 0.0)]:      # the first two stand for compile steps
+        t0 = clock.start()
+        time.sleep(wait)
+        clock.stop(t0, tokens)
+    assert clock.poll()["busy_tok"] == 300 and clock.poll()["busy_s"] < 0.04

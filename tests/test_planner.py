@@ -30,6 +30,7 @@ def bench_cfg(**kw):
 
 # --- the benchmark on CPU ---------------------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_bench_tiny_runs_end_to_end_without_datasets(tmp_path):
     """CLI, every mode of one process (target, drafter, the printed pipeline commands), mixed lengths, JSON; the
     H200 image has no `datasets`, so the bench must never import it."""
@@ -62,9 +63,10 @@ def test_bench_fixed_shapes_in_process(capsys):
     assert 6 * 3 <= d["supervised_rows_per_step"] <= 8 * 3        # B-1 slots each, fewer at a sequence's end
     assert d["tok_s"] == pytest.approx(d["samples_s"] * 64)                          # 4 x 64 tokens
     assert "| drafter | ms per step" in capsys.readouterr().out
-    assert td.MAX_ANCHORS == 2048 and td.TOKEN_BUDGET == 16384, "the bench puts the trainer's constants back"
+    assert td.MAX_ANCHORS == 2048 and td.TOKEN_BUDGET == 16384, "the bench never writes the trainer's constants"
 
 
+@pytest.mark.job
 def test_pipeline_two_ranks_on_cpu(tmp_path):
     """torchrun 2 ranks over gloo: rank 0 runs the target forward into pipe.Sender, rank 1 the drafter step from
     pipe.Receiver; rank 1 reports."""
@@ -80,6 +82,7 @@ def test_pipeline_two_ranks_on_cpu(tmp_path):
     assert "| pipeline | micro-batches/s consumer (producer) |" in r.stdout
 
 
+@pytest.mark.job
 def test_write_assets_feed_the_real_trainer(tmp_path):
     """--write-assets: a random target folder and an Arrow dataset that train_dflash.py trains on as they are."""
     info = bd.main(["--shape", "tiny", "--write-assets", str(tmp_path / "assets"), "--cpu"])

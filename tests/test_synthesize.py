@@ -1,7 +1,7 @@
 """data/synthesize.py and data/filters.py: the filters count each kind of bad row; synthesize resumes into exactly the
 rows of one uninterrupted run, its decisions are those of data.filters on the same rows, and on SmolLM2 it writes
 rows that data.prepare accepts. The mechanics run on a scripted engine (text drawn from (seed, key), no model) with
-the Qwen3 tokenizer fixture, a few seconds each; the SmolLM2 test runs data/engine.py on the real model (slow: about
+the Qwen3 tokenizer fixture, a few seconds each; the SmolLM2 test runs model/engine.py on the real model (slow: about
 25 s on the CPU, `pytest -m slow tests/test_synthesize.py`)."""
 import functools
 import hashlib
@@ -142,7 +142,7 @@ def test_near_duplicate_index_matches_brute_force_jaccard():
 # synthesize's mechanics on a scripted engine
 
 class ScriptedEngine:
-    """The data.engine API with text drawn from (seed, key) alone: prompts are recorded, not read. Some draws end at
+    """The model.engine API with text drawn from (seed, key) alone: prompts are recorded, not read. Some draws end at
     the stop token, some run past max_new_tokens, some copy a BANK sentence (duplicates) or loop (repetition)."""
 
     def __init__(self, tok, seed, stop_after=True):

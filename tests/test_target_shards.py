@@ -62,6 +62,7 @@ def check_features(target_dir, out, n):
         torch.testing.assert_close(got["features"], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.job
 def test_one_sharded_replica_gives_the_unsharded_features_and_losses(assets, unsharded, tmp_path):
     """2 target ranks as one replica (each holds half the target) + 1 drafter."""
     out = tmp_path / "run"
@@ -77,6 +78,7 @@ def test_one_sharded_replica_gives_the_unsharded_features_and_losses(assets, uns
         assert got[s] == pytest.approx(unsharded[s], rel=1e-5), f"step {s}: {got[s]} != {unsharded[s]}"
 
 
+@pytest.mark.job
 @pytest.mark.slow
 def test_two_sharded_replicas_give_the_unsharded_features(assets, tmp_path):
     """4 target ranks as 2 replicas of 2 + 1 drafter (5 processes: 16 s on 2 idle cores, far more when shared)."""
@@ -87,6 +89,7 @@ def test_two_sharded_replicas_give_the_unsharded_features(assets, tmp_path):
     check_features(assets[0], out, 7)
 
 
+@pytest.mark.job
 def test_sigterm_then_resume_of_a_sharded_job_matches_the_unsharded_run(assets, unsharded, tmp_path, monkeypatch):
     """A stop published while the replica's ranks forward (they agree on it before each forward), then RESUME=auto:
     the loss curve is the uninterrupted one."""
@@ -111,6 +114,7 @@ def test_sigterm_then_resume_of_a_sharded_job_matches_the_unsharded_run(assets, 
         assert got[s] == pytest.approx(unsharded[s], rel=1e-5), f"step {s}: {got[s]} != {unsharded[s]}"
 
 
+@pytest.mark.job
 def test_kill9_of_a_shard_rank_ends_the_job_naming_it(assets, tmp_path, monkeypatch):
     """Rank 1 dies while rank 0, its replica's other shard, waits on it in an all-gather (or the replica's
     agreement)."""

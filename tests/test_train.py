@@ -23,6 +23,7 @@ def packed_target_features(target_dir, lengths, input_ids):
     return t.features(ids, attn)[attn.bool()]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("nproc,targets", [(3, 1), (3, 2)])
 def test_drafters_receive_the_targets_features(assets, tmp_path, nproc, targets):
     target, data = assets
@@ -39,6 +40,7 @@ def test_drafters_receive_the_targets_features(assets, tmp_path, nproc, targets)
         torch.testing.assert_close(got["features"], want, rtol=0, atol=0)
 
 
+@pytest.mark.job
 def test_ddp_drafters_identical_and_loss_falls(assets, tmp_path):
     target, data = assets
     out = tmp_path / "out"
@@ -63,6 +65,7 @@ def test_ddp_drafters_identical_and_loss_falls(assets, tmp_path):
     assert json.loads((out / "run.json").read_text())["config"]["MAX_ANCHORS"] == 32
 
 
+@pytest.mark.job
 def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path):
     target, data = assets
     args = dict(EPOCHS=3, LR=5e-3)
@@ -89,6 +92,7 @@ def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path):
         assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), f"step {s}: {got[s]} != {ref[s]}"
 
 
+@pytest.mark.job
 def test_resume_with_another_split_continues_at_the_same_micro_batch(assets, tmp_path):
     target, data = assets
     out = tmp_path / "out"
@@ -100,6 +104,7 @@ def test_resume_with_another_split_continues_at_the_same_micro_batch(assets, tmp
     assert seen and seen[0] == 4, f"resumed run must start at micro-batch 4, got {seen[:3]}"
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("compile_target", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path, compile_target):
     """The single-process mode (target forward and prepare on a feeder thread; with COMPILE_TARGET the forward on
@@ -119,6 +124,7 @@ def test_one_process_trains_like_one_target_and_one_drafter(assets, tmp_path, co
     assert any(r["q_hs"][0] > 0 or r["q_pre"][0] > 0 for r in rows), rows
 
 
+@pytest.mark.job
 def test_resume_scratch_refuses_existing_checkpoints(assets, tmp_path):
     target, data = assets
     out = tmp_path / "out"
@@ -130,6 +136,7 @@ def test_resume_scratch_refuses_existing_checkpoints(assets, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.job
 def test_changed_dataset_is_detected(assets, tmp_path):
     target, data = assets
     out = tmp_path / "out"
@@ -141,6 +148,7 @@ def test_changed_dataset_is_detected(assets, tmp_path):
     assert "re-planned" in r.stdout and "RESUMING from step 2" in r.stdout
 
 
+@pytest.mark.job
 def test_two_nodes_on_loopback_train_and_resume_like_one(assets, tmp_path):
     target, data = assets
     args = dict(EPOCHS=2)
@@ -171,6 +179,7 @@ def test_two_nodes_on_loopback_train_and_resume_like_one(assets, tmp_path):
         assert two[s] == pytest.approx(one[s], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.job
 def test_bogus_setting_and_dry_run(assets, tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "train_dflash.py"), "--BOGUS=1"], cwd=REPO, env=env(),
                        capture_output=True, text=True, timeout=60)
@@ -190,6 +199,7 @@ def test_bogus_setting_and_dry_run(assets, tmp_path):
 SMOL = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
 
 
+@pytest.mark.job
 @pytest.mark.skipif(not (SMOL / "tokenizer.json").exists(), reason="needs the SmolLM2 folder (python -m tools.smollm2)")
 def test_eval_during_training_logs_tau(tmp_path):
     """EVAL_EVERY: tau of the checkpointed drafter, measured on the master, in the status line and metrics.jsonl.
@@ -212,13 +222,6 @@ def test_eval_during_training_logs_tau(tmp_path):
     assert "eval step 4: tau=" in r.stdout and " tau=" in r.stdout.split("eval step 2")[1]
 
 
-def test_readme_documents_every_constant():
-    import train_dflash
-    readme = (REPO / "README.md").read_text()
-    missing = [k for k in train_dflash.CONFIG_KEYS if f"| `{k}` |" not in readme]
-    assert not missing, f"README's configuration table lacks {missing}"
-
-
 def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_dir):
     """Drafter ranks read the two frozen tensors from the safetensors files, tied (Llama tiny) or not (Qwen3 tiny)."""
     from transformers import AutoModelForCausalLM
@@ -231,71 +234,7 @@ def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_d
         assert not embed.weight.requires_grad and not head.requires_grad
 
 
-@pytest.mark.parametrize("max_norm", [1e-3, 1e3])     # clipping binds / does not
-def test_scale_clip_equals_mul_then_clip_grad_norm(max_norm):
-    sys.path.insert(0, str(REPO))
-    from optim import scale_clip_
-    g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (5,), (3, 4, 2)]
-    grads = [torch.randn(s, generator=g) for s in shapes]
-    scale = torch.tensor([0.37])                          # the trainer passes a [1] tensor
-    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    got = [torch.nn.Parameter(torch.zeros(s)) for s in shapes] + [torch.nn.Parameter(torch.zeros(2))]   # no grad
-    for p, q, x in zip(ref, got, grads):
-        p.grad, q.grad = x.clone(), x.clone()
-    for p in ref:
-        p.grad.mul_(scale)
-    want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
-    norm = scale_clip_(got, scale, max_norm)
-    torch.testing.assert_close(norm, want_norm)
-    for p, q in zip(ref, got):
-        torch.testing.assert_close(q.grad, p.grad)
-    assert got[-1].grad is None
-
-
-def test_scale_clip_hands_the_factor_to_a_fused_optimizer():
-    """With a fused AdamW (the trainer's on GPU; fused AdamW runs on CPU too) the factor goes to the optimizer's
-    grad_scale instead of a multiply: the updated parameters equal mul_ + clip_grad_norm_ + a plain step's."""
-    sys.path.insert(0, str(REPO))
-    from optim import scale_clip_
-    g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (5,), (3, 4, 2)]
-    init = [torch.randn(s, generator=g) for s in shapes]
-    scale = torch.tensor([0.37])
-    for max_norm in (1e-3, 1e3):
-        ps = {k: [torch.nn.Parameter(x.clone()) for x in init] for k in ("ref", "got")}
-        opts = {k: torch.optim.AdamW(v, lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-                for k, v in ps.items()}
-        for _ in range(3):                                 # grad_scale is set again before every step
-            grads = [torch.randn(s, generator=g) * 5 for s in shapes]
-            for k in ps:
-                for p, x in zip(ps[k], grads):
-                    p.grad = x.clone()
-            for p in ps["ref"]:
-                p.grad.mul_(scale)
-            want = torch.nn.utils.clip_grad_norm_(ps["ref"], max_norm)
-            opts["ref"].step()
-            norm = scale_clip_(ps["got"], scale, max_norm, opts["got"])
-            torch.testing.assert_close(ps["got"][0].grad, grads[0], rtol=0, atol=0)   # left as they were
-            opts["got"].step()
-            torch.testing.assert_close(norm, want)
-            for p, q in zip(ps["ref"], ps["got"]):
-                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(ps["got"][0], init[0]), "the parameters moved"
-
-
-def test_busy_clock_skips_the_warmup_units():
-    sys.path.insert(0, str(REPO))
-    import time
-    from pipe import BusyClock
-    clock = BusyClock(torch.device("cpu"), skip=2)
-    for tokens, wait in [(100, 0.05), (200, 0.05), (300, 0.0)]:      # the first two stand for compile steps
-        t0 = clock.start()
-        time.sleep(wait)
-        clock.stop(t0, tokens)
-    assert clock.poll()["busy_tok"] == 300 and clock.poll()["busy_s"] < 0.04
-
-
+@pytest.mark.job
 def test_dpace_run_logs_both_losses(assets, tmp_path):
     """LOSS_WEIGHTING=dpace trains; the status line's loss stays the exp-decay CE (one scale for both weightings)
     and the D-PACE objective is logged beside it."""
@@ -311,6 +250,7 @@ def test_dpace_run_logs_both_losses(assets, tmp_path):
     assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)   # step 1: same weights, same yardstick
 
 
+@pytest.mark.job
 def test_resume_refuses_changed_drafter_settings_and_another_target(assets, tmp_path):
     """Before any model loads: another BLOCK_SIZE (it continued silently), NUM_DRAFT_LAYERS (a raw load_state_dict
     error) or a different target of the same sizes (it continued silently) is refused, naming the setting and both
@@ -356,6 +296,7 @@ def qwen3_tokenizer_dir(tmp_path):
 QWEN3_TOKENIZER = REPO / "tests" / "fixtures" / "qwen3_tokenizer"
 
 
+@pytest.mark.job
 def test_data_of_another_tokenizer_or_template_is_refused(tmp_path):
     """stats.json's tokenizer and chat template hashes against TARGET's: a dataset tokenized for another target trained
     to the end without a word before."""
@@ -382,3 +323,62 @@ def test_data_of_another_tokenizer_or_template_is_refused(tmp_path):
     assert r.returncode != 0 and f"TARGET={target} has another one ({tokenizer_hash(tok)[:12]})" in r.stderr, \
         r.stdout[-2000:] + r.stderr[-2000:]
     assert "load data" not in r.stdout and "Traceback" not in r.stderr
+
+
+# --- trackers (TENSORBOARD, WANDB_PROJECT) --------------------------------------------------------------------------
+
+def test_a_missing_tracker_package_is_an_error_naming_its_install(monkeypatch):
+    import builtins
+    import status
+    real = builtins.__import__
+
+    def no_trackers(name, *a, **kw):
+        if name in ("wandb", "torch.utils.tensorboard"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_trackers)
+    errs = status.check_trackers(True, "myproj")
+    assert len(errs) == 2 and "pip install tensorboard" in errs[0] and "pip install wandb" in errs[1], errs
+    assert status.check_trackers(False, "") == []
+
+
+FAKE_WANDB = '''
+import json, os
+util = type("util", (), {"generate_id": staticmethod(lambda: "fresh1")})
+class Run:
+    def log(self, nums, step): pass
+def init(**kw):
+    with open(os.path.join(kw["dir"], "fake_wandb_inits.jsonl"), "a") as f:
+        f.write(json.dumps({"id": kw["id"], "resume": kw["resume"], "project": kw["project"]}) + "\\n")
+    return Run()
+'''
+
+
+def test_wandb_run_id_is_kept_in_out_dir_and_reused_on_resume(tmp_path, monkeypatch):
+    import status
+    (tmp_path / "pkgs").mkdir()
+    (tmp_path / "pkgs" / "wandb.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {"TENSORBOARD": False, "WANDB_PROJECT": "p"}
+    status.Metrics(out, config)
+    assert (out / status.WANDB_ID_FILE).read_text().strip() == "fresh1"
+    (out / status.WANDB_ID_FILE).write_text("kept7\n")     # a resume reads the id the first run wrote
+    status.Metrics(out, config)
+    inits = [json.loads(l) for l in (out / "fake_wandb_inits.jsonl").read_text().splitlines()]
+    assert inits == [{"id": "fresh1", "resume": "allow", "project": "p"}, {"id": "kept7", "resume": "allow",
+                                                                            "project": "p"}]
+
+
+@pytest.mark.job
+def test_a_missing_wandb_stops_the_job_before_any_model_loads(assets, tmp_path, monkeypatch):
+    import runs
+    target, data = assets
+    (tmp_path / "pkgs").mkdir()
+    (tmp_path / "pkgs" / "wandb.py").write_text("raise ImportError('No module named wandb (fake)')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pkgs"))
+    r = runs.run(1, runs.base_args(target, data, tmp_path / "out", WANDB_PROJECT="p", MAX_STEPS=1))
+    assert r.returncode != 0 and "pip install wandb" in r.stderr, r.stderr[-2000:]
+    assert "load target" not in r.stdout and "load data" not in r.stdout, r.stdout[-2000:]

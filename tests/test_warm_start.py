@@ -31,14 +31,13 @@ def export(target_dir, out, layers=1, block_size=4, seed=123, dtype=torch.float3
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_init_from_gives_the_exported_weights_and_logits(assets, tmp_path, dtype, monkeypatch):
-    import train_dflash as td
+    import settings
     from model.drafter import Drafter
     target, _ = assets
     src = export(target, tmp_path / "drafter", dtype=dtype)
     torch.manual_seed(0)
     run_drafter = Drafter(src.config)                             # what the trainer builds before loading
-    monkeypatch.setattr(td, "INIT_FROM", str(tmp_path / "drafter"))
-    assert td.load_init_from(run_drafter) == str(dtype).replace("torch.", "")
+    assert settings.load_init_from(tmp_path / "drafter", run_drafter) == str(dtype).replace("torch.", "")
     for (name, got), want in zip(run_drafter.state_dict().items(), src.state_dict().values()):
         assert got.dtype == torch.float32, name
         assert torch.equal(got, want.to(dtype).float()), name     # fp32: bitwise; bf16: its values, widened exactly
@@ -52,16 +51,17 @@ def test_load_init_from_gives_the_exported_weights_and_logits(assets, tmp_path, 
                            ref(feats, torch.arange(9), emb, torch.arange(9, 13), attn))
 
 
+@pytest.mark.job
 def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, monkeypatch):
     """A real one-process run with INIT_FROM: its step-1 loss (computed before the first update) equals the loss of
     the exported drafter on the same micro-batch, and not that of the trainer's own random init. Then, with a
     checkpoint in OUT_DIR, resuming wins over INIT_FROM."""
-    import train_dflash as td
     from data.loader import Data
     from model.drafter import Drafter
     from model.objective import weighted_ce
     from model.target import load_frozen_io
     from pipe import Packet
+    from step import StepConfig, make_prepare
     target, data = assets
     src = export(target, tmp_path / "drafter")
     out = tmp_path / "out"
@@ -72,14 +72,12 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
 
     # micro-batch 0 through the trainer's own batching, prepare and loss, with the run's settings
     config = json.loads((out / "run.json").read_text())["config"]
-    for k in ("MAX_ANCHORS", "MIN_ANCHORS_PER_DOC", "GAMMA", "SEED"):
-        monkeypatch.setattr(td, k, config[k])
     dump = torch.load(out / "dump" / "g000000.pt")                 # the features the run's drafter got
     ids, mask, attn, lengths = Data(str(data), runs.VOCAB, config["TOKEN_BUDGET"], config["MAX_BATCH_SIZE"],
                                     config["SEED"]).batch(0)
     assert torch.equal(ids[attn.bool()], dump["input_ids"])
-    item = td.make_prepare(src.config, "cpu", False)(Packet(0, lengths, dump["input_ids"], mask[attn.bool()],
-                                                            dump["features"]))
+    item = make_prepare(src.config, "cpu", False, StepConfig.of(config))(Packet(0, lengths, dump["input_ids"],
+                                                                              mask[attn.bool()], dump["features"]))
     embed, head_w, _ = load_frozen_io(target, "cpu", torch.float32)
 
     def loss_of(drafter):
@@ -97,6 +95,7 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     assert "INIT_FROM: drafter weights from" not in r.stdout
 
 
+@pytest.mark.job
 def test_init_from_of_another_shape_is_refused_before_any_model_loads(assets, tmp_path):
     """An export for another target and drafter shape: one error naming each setting with both values, before
     any model loads: the target's weights here are garbage, so loading them would fail differently."""

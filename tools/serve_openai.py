@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from data.engine import default_stop_ids, load_model
+from model.engine import default_stop_ids, load_model
 from model.target import resolve_model_path
 
 
