@@ -121,8 +121,8 @@ LOG_SECONDS = 60.0          # ... or at most this many seconds
 HEARTBEAT_TIMEOUT = 30.0    # s without a heartbeat before a rank is declared dead
 STALL_TIMEOUT = 600.0       # s without progress on any rank (after start-up) before the job is ended
 EVAL_EVERY = 0              # run the tau evaluation on every N-th checkpoint (0 = off); on the master drafter rank
-EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_prompts.jsonl)
-EVAL_LIMIT = 16             # prompts per evaluation
+EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_broad.jsonl, nine categories of traffic)
+EVAL_LIMIT = 18             # prompts per evaluation, dealt over the categories (18 = 2 of each of the broad set's 9)
 EVAL_MAX_NEW_TOKENS = 128   # tokens generated per prompt
 EVAL_DTYPE = "float32"      # target dtype for it: float32 keeps the losslessness check exact (bf16 block vs
 #                             one-token forwards round differently, which can flip near-tied greedy tokens)
@@ -152,7 +152,7 @@ def eval_inputs(tok, stats: dict) -> dict:
     start-up (a bad row used to end the job at its first evaluation), and the dataset's thinking mode
     (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was trained. tok: TARGET's
     tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
-    path = Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl")
+    path = Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_broad.jsonl")
     try:
         prompts = eval_dflash.load_prompts(path, limit=EVAL_LIMIT)
         for row in prompts:
@@ -731,19 +731,22 @@ def save_checkpoint(run):
         shards(ckpt.tmp_dir(run.ck_root, run.step))
         return
     g = run.g_at(run.step)
+    # every EVAL_EVERY-th checkpoint is evaluated before it is written, so its export's model card carries its tau
+    ev = evaluate(run, run.drafter if not sharded else ckpt.whole_drafter(run.dcfg, full, d.device)) \
+        if EVAL_EVERY and (run.saves + 1) % EVAL_EVERY == 0 else None
+    card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, data=run.data.fingerprint(),
+                evaluation=ev)
     state = ckpt.train_state(run.drafter, run.opt, run.step, g, sharded=sharded)
     meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.config, run.data,
                            run.dcfg, run.fingerprint)
     t = time.time()
     try:
         path = ckpt.save(run.ck_root, run.step, state, meta,
-                         lambda p: export_drafter(run.drafter, p, state=full), KEEP_LAST, write_shards=shards)
+                         lambda p: export_drafter(run.drafter, p, state=full, **card), KEEP_LAST, write_shards=shards)
     except ckpt.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     log(f"saved {path} ({time.time() - t:.1f}s)")
     run.saves += 1
-    if EVAL_EVERY and run.saves % EVAL_EVERY == 0:
-        evaluate(run, run.drafter if not sharded else ckpt.whole_drafter(run.dcfg, full, d.device))
 
 
 def evaluate(run, drafter):
@@ -779,6 +782,7 @@ def evaluate(run, drafter):
         f"lossless={'yes' if res['lossless'] else 'no'} "
         f"prompts={len(setup['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
         f"({time.time() - t:.0f}s)")
+    return dict(res, prompts_file=setup["path"].name)
 
 
 if __name__ == "__main__":

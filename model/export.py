@@ -145,11 +145,21 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
         e = evaluation
         lossless = {True: ", lossless", False: ", NOT lossless (see the evaluation log)"}.get(e.get("lossless"), "")
         prompts = f" on {e['prompts']} prompts" if e.get("prompts") else ""
+        prompts += f" of `{e['prompts_file']}`" if e.get("prompts_file") else ""
         lines += [f"tau (tokens committed per verify step, greedy block verification) = **{_fmt(float(e['tau']))}**"
                   f"{prompts}{lossless} (eval_dflash.py).", ""]
-        by_cat = e.get("tau_by_category") or {}
-        if by_cat:
-            lines += ["| category | tau |", "|---|---|"] + [f"| {c} | {_fmt(t)} |" for c, t in by_cat.items()] + [""]
+        cats = e.get("tau_categories") or {}
+        if cats:   # eval_dflash's per-category stats: {category: {prompts, mean, se}}, and the macro-average
+            se = lambda x: "-" if x is None else _fmt(x)   # noqa: E731
+            lines += ["| category | prompts | tau | SE |", "|---|---|---|---|"] + \
+                     [f"| {c} | {v['prompts']} | {_fmt(v['mean'])} | {se(v['se'])} |" for c, v in cats.items()]
+            if e.get("tau_macro") is not None:
+                lines += [f"| **macro** (each category weighted equally) | | **{_fmt(e['tau_macro'])}** | "
+                          f"{se(e.get('tau_macro_se'))} |"]
+            lines += [""]
+        elif e.get("tau_by_category"):
+            lines += ["| category | tau |", "|---|---|"] + \
+                     [f"| {c} | {_fmt(t)} |" for c, t in e["tau_by_category"].items()] + [""]
     else:
         lines += ["No evaluation ran for this export; measure tau with "
                   "`python eval_dflash.py --target TARGET --drafter THIS_FOLDER --prompts PROMPTS.jsonl`.", ""]

@@ -220,6 +220,11 @@ def test_eval_during_training_logs_tau(tmp_path):
     assert all(0.0 <= m["tf_streak"] <= 3 for m in evals), evals          # B-1 = 3 slots at most
     assert "held-out streak=" in r.stdout
     assert "eval step 4: tau=" in r.stdout and " tau=" in r.stdout.split("eval step 2")[1]
+    # each evaluated checkpoint is measured before it is written: its export's model card carries that tau
+    for m in evals:
+        card = (tmp_path / "out" / "checkpoints" / f"step_{m['step']:06d}" / "drafter" / "README.md").read_text()
+        assert "on 2 prompts of `eval_broad.jsonl`" in card and "| **macro**" in card, card
+        assert sorted(m["tau_categories"]) == ["chat", "explain"], m["tau_categories"]   # dealt over the categories
 
 
 def test_drafter_ranks_load_only_embedding_and_head(tiny_qwen3_dir, tiny_llama_dir):
