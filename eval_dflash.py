@@ -78,7 +78,7 @@ from model.engine import SUPPORTED
 from model.drafter import DrafterCache
 from model.export import load_drafter
 from model.fastdecode import FastDecoder
-from model.target import Target
+from model.target import Target, resolve_model_path
 
 MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
 METHODS = ("decode", "fast", "walk")   # --method: see evaluate_drafters
@@ -986,6 +986,10 @@ def check_args(a) -> list[str]:
         errs.append(f"--tree-budget {a.tree_budget} with --method fast: the fast loop verifies blocks only; drop "
                     f"--tree-budget, or use --method decode for DDTree")
     try:
+        a.target = str(resolve_model_path(a.target))   # a Hub id: its folder in the local Hugging Face cache
+    except FileNotFoundError as e:
+        return errs + [f"--target: {e}"]
+    try:
         target = AutoConfig.from_pretrained(Path(a.target).expanduser(), local_files_only=True).get_text_config()
     except (OSError, ValueError) as e:
         return errs + [f"--target {a.target} is not a local Hugging Face model folder ({str(e)[:120]})"]
@@ -1021,7 +1025,7 @@ def main(argv=None):
     """-> what --out holds: the result dict for one drafter, {"drafters": [{"drafter": path, ...}, ...]} for several."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="local HF causal LM folder")
+    p.add_argument("--target", required=True, help="local HF causal LM folder, or a Hub id in the local Hugging Face cache")
     p.add_argument("--drafter", required=True, nargs="+",
                    help="exported drafter folder(s) (config.json + model.safetensors); several share one target load, "
                         "warm-up and greedy reference, each gets its own report")

@@ -15,7 +15,7 @@ import checkpoint as ckpt
 from model import fp8
 from model.drafter import COMPILE_MODES, DrafterConfig
 from model.objective import WEIGHTINGS
-from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id
+from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id, resolve_model_path
 
 REPO = Path(__file__).resolve().parent
 
@@ -96,12 +96,17 @@ def help_text(source: Path) -> str:
 
 def resolve_paths(c: dict) -> None:
     """Fill the embedded defaults into c: SmolLM2 from the cache (model.target.DEFAULT_TARGET), the shipped
-    dataset."""
+    dataset; a TARGET that is a Hub id becomes its folder in the local Hugging Face cache (never the network)."""
     if not c["TARGET"]:
         c["TARGET"] = str(DEFAULT_TARGET)
         if not (DEFAULT_TARGET / "config.json").exists():
             sys.exit(f"error: no TARGET given and the default SmolLM2 folder {DEFAULT_TARGET} does not exist: run "
                      f"`python -m tools.smollm2` (launch.sh does) or pass --TARGET=/path/to/hf/model")
+    elif not Path(c["TARGET"]).expanduser().exists():   # a Hub id: its snapshot folder in the local cache
+        try:
+            c["TARGET"] = str(resolve_model_path(c["TARGET"]))
+        except FileNotFoundError as e:
+            sys.exit(f"error: TARGET: {e}")
     if not c["DATA"]:
         c["DATA"] = str(REPO / "data" / "default" / "smollm2")
 

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from data.chat import RowError, decode_line, end_of_turn, normalize_messages, template_hash, tokenize_chat
+from model.target import resolve_model_path
 
 MAX_LEN = 4096               # tokens per sample; longer rows are truncated (or dropped with --overlong drop)
 MAX_ROW_BYTES = 32 << 20     # a raw row larger than this is skipped as too_long without being parsed
@@ -421,7 +422,8 @@ def _report(stats, out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help=".jsonl/.json/.parquet files or datasets folders")
-    ap.add_argument("--tokenizer", required=True, help="the TARGET's tokenizer folder (its chat template is used)")
+    ap.add_argument("--tokenizer", required=True, help="the TARGET's tokenizer folder, or its Hub id in the local "
+                    "Hugging Face cache (its chat template is used)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--max-len", type=int, default=MAX_LEN, help="tokens per sample")
     ap.add_argument("--thinking", choices=["on", "off"], default=None,
@@ -433,6 +435,10 @@ def main(argv=None):
     ap.add_argument("--overwrite", action="store_true",
                     help="replace an earlier data.prepare output in --out (other files there are kept)")
     a = ap.parse_args(argv)
+    try:
+        a.tokenizer = str(resolve_model_path(a.tokenizer))   # a Hub id: its folder in the local Hugging Face cache
+    except FileNotFoundError as e:
+        ap.error(f"--tokenizer: {e}")
     prepare(a.inputs, a.tokenizer, a.out, a.max_len, {None: None, "on": True, "off": False}[a.thinking],
             a.overlong, a.num_proc, a.overwrite, a.split)
 

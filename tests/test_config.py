@@ -156,3 +156,34 @@ def test_configuration_page_documents_every_constant():
     page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     missing = [k for k in td.CONFIG_KEYS if f"| `{k}` |" not in page]
     assert not missing, f"docs/configuration.md's table lacks {missing}"
+
+
+def test_a_hub_id_target_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    """TARGET=org/name: its snapshot folder in the local Hugging Face cache, never the network; absent, an error
+    naming the cache folder looked in."""
+    from test_target import fake_hub_cache
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    c = {"TARGET": "Qwen/Qwen3-8B", "DATA": "prepared"}
+    with pytest.raises(SystemExit, match=rf"error: TARGET: model Qwen/Qwen3-8B: not in the Hugging Face cache "
+                                         rf"{tmp_path / 'hub'}"):
+        settings.resolve_paths(c)
+    snap = fake_hub_cache(tmp_path / "hub")
+    settings.resolve_paths(c)
+    assert c == {"TARGET": str(snap), "DATA": "prepared"}
+
+
+def test_eval_dflash_takes_a_hub_id_target(tmp_path, monkeypatch, tiny_qwen3_dir):
+    import shutil
+    from types import SimpleNamespace
+
+    import eval_dflash
+    from test_target import fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = fake_hub_cache(tmp_path / "hub", files=())
+    for f in tiny_qwen3_dir.iterdir():
+        shutil.copy(f, snap / f.name)
+    a = SimpleNamespace(target="Qwen/Qwen3-8B", max_new_tokens=8, limit=None, block_size=None, tree_budget=0,
+                        tree_top_k=4, workers=1, method="decode", drafter=[])
+    errs = eval_dflash.check_args(a)
+    assert a.target == str(snap) and not any("--target" in e for e in errs), errs
