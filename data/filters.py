@@ -137,8 +137,14 @@ def heldout_prompts(paths) -> list[str]:
             if not line.strip():
                 continue
             try:
-                out += [t for t in user_turns(json.loads(line)) if t.strip()]
-            except (ValueError, AttributeError) as e:
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("messages"), list):
+                    # an evaluation row's answer placeholders ({"role": "assistant", "content": null}: the target's
+                    # own answer, filled in at evaluation time) hold no prompt text
+                    row = dict(row, messages=[t for t in row["messages"] if not (
+                        isinstance(t, dict) and t.get("role") == "assistant" and t.get("content") is None)])
+                out += [t for t in user_turns(row) if t.strip()]
+            except (ValueError, AttributeError, RowError) as e:
                 raise SystemExit(f"filters: {path}:{n} is not a JSON row with `messages` ({e}); fix the line or "
                                  f"leave the file out of --heldout")
     return out

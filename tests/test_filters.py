@@ -77,3 +77,13 @@ def test_a_failed_run_leaves_the_previous_outputs(tmp_path):
         F.main([str(inp), "--out", str(out)])
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p != inp} == \
            {k: v for k, v in files.items() if k != "in.jsonl"}
+
+
+def test_heldout_prompts_read_the_broad_sets_multi_turn_rows():
+    """The broad set's multi-turn rows hold an answer placeholder (content null, filled at evaluation time) between
+    their two user turns: both user turns are held out, and the placeholder is no malformed row."""
+    rows = [json.loads(line) for line in F.HELDOUT_BROAD.read_text().splitlines()]
+    multi = [r for r in rows if r["category"] == "multiturn"]
+    assert multi and all(m["content"] is None for r in multi for m in r["messages"] if m["role"] == "assistant")
+    held = set(F.heldout_prompts([F.HELDOUT_BROAD]))
+    assert all(m["content"] in held for r in rows for m in r["messages"] if m["role"] == "user")
