@@ -121,6 +121,15 @@ def user_turns(row: dict) -> list[str]:
     return [m["content"] for m in read_turns(row) if m["role"] == "user"]
 
 
+def prompt_turns(row: dict) -> list[str]:
+    """The user turns of an evaluation prompt row. Its answer placeholders ({"role": "assistant", "content": null}:
+    the target's own answer, filled in at evaluation time, as in the broad set's multi-turn rows) hold no text."""
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        row = dict(row, messages=[t for t in row["messages"] if not (
+            isinstance(t, dict) and t.get("role") == "assistant" and t.get("content") is None)])
+    return user_turns(row)
+
+
 def answers(row: dict) -> list[str]:
     return [m["content"] for m in read_turns(row) if m["role"] == "assistant"]
 
@@ -137,13 +146,7 @@ def heldout_prompts(paths) -> list[str]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                if isinstance(row, dict) and isinstance(row.get("messages"), list):
-                    # an evaluation row's answer placeholders ({"role": "assistant", "content": null}: the target's
-                    # own answer, filled in at evaluation time) hold no prompt text
-                    row = dict(row, messages=[t for t in row["messages"] if not (
-                        isinstance(t, dict) and t.get("role") == "assistant" and t.get("content") is None)])
-                out += [t for t in user_turns(row) if t.strip()]
+                out += [t for t in prompt_turns(json.loads(line)) if t.strip()]
             except (ValueError, AttributeError, RowError) as e:
                 raise SystemExit(f"filters: {path}:{n} is not a JSON row with `messages` ({e}); fix the line or "
                                  f"leave the file out of --heldout")

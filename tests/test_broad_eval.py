@@ -55,7 +55,7 @@ def test_no_broad_prompt_survives_the_filters_in_a_training_file(rows, tmp_path)
     """Every user turn of the set, as it is and as a near copy (a word dropped from a long one, case and spacing
     changed), written into a training file: data.filters (its default held-out list) keeps none of them."""
     assert F.HELDOUT_BROAD in F.HELDOUT_DEFAULTS
-    turns = [t for r in rows for t in F.user_turns(r) if t.strip()]
+    turns = [t for r in rows for t in F.prompt_turns(r) if t.strip()]
     near = [" ".join(t.upper().split()[:-1]) for t in turns if len(t.split()) >= 20]
     train = tmp_path / "train.jsonl"
     write_jsonl([{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "Sure."}]}
