@@ -14,7 +14,7 @@
 #   torchrun --nnodes=N --nproc-per-node=G --node-rank=I --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \
 #       --rdzv-id=dflash train_dflash.py --OUT_DIR=/shared/run ...       (OUT_DIR on a shared filesystem)
 #
-# The flags are checked (train_dflash.py's parse_overrides, resolve_paths and check_config) before anything starts:
+# The flags are checked (train_dflash.py's configure and check_config) before anything starts:
 # a bad one stops here with its error and no tmux session. A session whose job has ended is replaced by the next
 # launch; one whose job still runs is left alone (pick another SESSION for a second run).
 # Demo settings: on a machine without GPUs and without --TARGET or --DATA, the CPU demo's settings (DEMO below)
@@ -100,8 +100,7 @@ fi
 if ! "$PY" - "$NPROC" "${FLAGS[@]}" <<'PY'; then
 import sys
 import train_dflash as t
-t.parse_overrides(sys.argv[2:])
-t.resolve_paths()
+t.configure(sys.argv[2:])
 t.check_config(int(sys.argv[1]))
 PY
     echo "launch: not started; fix the flag(s) above" >&2

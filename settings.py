@@ -15,7 +15,7 @@ import checkpoint as ckpt
 from model import fp8
 from model.drafter import COMPILE_MODES, DrafterConfig
 from model.objective import WEIGHTINGS
-from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id, resolve_model_path
+from model.target import DEFAULT_TARGET, HUB_ID, check_mask_token_id, default_mask_token_id, resolve_model_path
 
 REPO = Path(__file__).resolve().parent
 
@@ -102,7 +102,9 @@ def resolve_paths(c: dict) -> None:
         if not (DEFAULT_TARGET / "config.json").exists():
             sys.exit(f"error: no TARGET given and the default SmolLM2 folder {DEFAULT_TARGET} does not exist: run "
                      f"`python -m tools.smollm2` (launch.sh does) or pass --TARGET=/path/to/hf/model")
-    elif not Path(c["TARGET"]).expanduser().exists():   # a Hub id: its snapshot folder in the local cache
+    elif not Path(c["TARGET"]).expanduser().exists() and HUB_ID.fullmatch(c["TARGET"]):
+        # org/name and no such folder: a Hub id, its snapshot folder in the local cache (check_config names a
+        # missing folder of any other form)
         try:
             c["TARGET"] = str(resolve_model_path(c["TARGET"]))
         except FileNotFoundError as e:

@@ -142,6 +142,15 @@ def constants() -> SimpleNamespace:
     return SimpleNamespace(**{k: globals()[k] for k in CONFIG_KEYS})
 
 
+def configure(argv) -> tuple[dict, set[str]]:
+    """--NAME=VALUE overrides and the embedded defaults applied to the constants above (main, and launch.sh's check
+    before it starts a job). -> (the run's settings, the names given on the command line)."""
+    config, given = settings.parse_overrides(argv, {k: globals()[k] for k in CONFIG_KEYS}, Path(__file__))
+    settings.resolve_paths(config)
+    globals().update(config)   # the constants above now hold the run's values
+    return config, given
+
+
 def check_config(world: int) -> None:
     """settings.check_config on the constants as they are now (Dist runs it on every rank)."""
     settings.check_config(constants(), world)
@@ -496,9 +505,7 @@ def start_feed(d, data, sched, target, dcfg, watchdog, pre_stats, step_cfg):
 
 
 def main(argv):
-    config, given = settings.parse_overrides(argv, {k: globals()[k] for k in CONFIG_KEYS}, Path(__file__))
-    settings.resolve_paths(config)
-    globals().update(config)   # the constants above now hold the run's values
+    config, given = configure(argv)
     step_cfg = StepConfig.of(config)
     d = Dist()
     log(f"[rank {d.rank} {d.role}] {d}")
