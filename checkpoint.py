@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from data.resume import WEIGHT_FILES, weights_fingerprint
 from model.drafter import Drafter
 
 PREFIX = "step_"
@@ -291,7 +292,6 @@ def git_revision() -> str:
 
 # --- the training state: what a checkpoint holds, and what a resume reads back ----------------------------------------
 
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a TARGET folder holds its weights in
 
 
 def train_state(drafter, opt, step: int, next_g: int, sharded: bool = False) -> dict:
@@ -372,14 +372,9 @@ def target_fingerprint(path) -> dict:
     cfg = json.loads((path / "config.json").read_text())
     for k in ("_name_or_path", "transformers_version"):
         cfg.pop(k, None)
-    weights = hashlib.sha256()
-    for f in sorted(p for pat in WEIGHT_FILES for p in path.glob(pat)):
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if f.suffix == ".safetensors" else 0
-            weights.update(f.name.encode() + head + fh.read(n + (1 << 20)))
+    weights = weights_fingerprint(path) or hashlib.sha256().hexdigest()   # no weight file: the hash of nothing
     config_sha = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
-    return {"path": str(path.resolve()), "config_sha256": config_sha, "weights_sha256": weights.hexdigest()}
+    return {"path": str(path.resolve()), "config_sha256": config_sha, "weights_sha256": weights}
 
 
 # drafter config field -> the setting that decides it (fields not listed come from the target's config)
