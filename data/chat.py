@@ -44,14 +44,21 @@ class RowError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 # input formats
 
-def normalize_messages(row) -> list[dict]:
-    """OpenAI {"messages": [{role, content}]} or ShareGPT {"conversations": [{from, value}]} -> [{role, content}].
+def decode_line(line: bytes) -> str:
+    """One line of a JSONL file as text; RowError("bad_encoding") when it is not UTF-8 (a row read with replacement
+    characters would train on U+FFFD)."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowError("bad_encoding", str(e)[:80])
 
-    `row` may be a dict or a JSON string. Roles are mapped by ROLE_ALIASES; empty system messages are dropped;
-    assistant `tool_calls` pass through (then its content may be empty). The result has at least one assistant turn
-    and ends on one. A row's `finish_reasons` (data.regenerate) marks turns cut at max_new_tokens
-    (`"unfinished": True`): their end-of-turn token is not supervised.
-    """
+
+def read_turns(row) -> list[dict]:
+    """One input row (a dict or its JSON text) -> its turns as [{role, content}], the one reading of a conversation
+    that data.prepare, data.regenerate and data.filters share: OpenAI {"messages": [{role, content}]} or ShareGPT
+    {"conversations": [{from, value}]}, roles mapped by ROLE_ALIASES whatever their case. Each turn is judged only
+    by its own form: empty turns are kept (normalize_messages judges the conversation). Raises RowError:
+    malformed_json, missing_messages, malformed_message, unknown_role, non_string_content, bad_tool_call."""
     if isinstance(row, (str, bytes)):
         try:
             row = json.loads(row)
@@ -64,8 +71,8 @@ def normalize_messages(row) -> list[dict]:
         turns = row.get("conversations")
     if turns is None:
         raise RowError("missing_messages", f"keys: {sorted(row)[:6]}")
-    if not isinstance(turns, list) or not turns:
-        raise RowError("missing_messages", "messages is empty or not a list")
+    if not isinstance(turns, list):
+        raise RowError("missing_messages", "messages is not a list")
     messages = []
     for t in turns:
         if not isinstance(t, dict):
@@ -83,10 +90,6 @@ def normalize_messages(row) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise RowError("non_string_content", f"{role} content is a {type(content).__name__}")
-        if not content.strip() and not tool_calls:
-            if role == "system":
-                continue
-            raise RowError("empty_content", f"empty {role} turn")
         msg = {"role": role, "content": content}
         if tool_calls:
             msg["tool_calls"] = tool_calls
@@ -96,6 +99,32 @@ def normalize_messages(row) -> list[dict]:
         if role == "tool" and t.get("tool_call_id") is not None:
             msg["tool_call_id"] = t["tool_call_id"]
         messages.append(msg)
+    return messages
+
+
+def normalize_messages(row) -> list[dict]:
+    """OpenAI {"messages": [{role, content}]} or ShareGPT {"conversations": [{from, value}]} -> [{role, content}].
+
+    `row` may be a dict or a JSON string; its turns are read by read_turns. Empty system messages are dropped;
+    assistant `tool_calls` pass through (then its content may be empty). The result has at least one assistant turn
+    and ends on one. A row's `finish_reasons` (data.regenerate) marks turns cut at max_new_tokens
+    (`"unfinished": True`): their end-of-turn token is not supervised.
+    """
+    if isinstance(row, (str, bytes)):
+        try:
+            row = json.loads(row)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RowError("malformed_json", str(e)[:80])
+    turns = read_turns(row)
+    if not turns:
+        raise RowError("missing_messages", "messages is empty")
+    messages = []
+    for m in turns:
+        if not m["content"].strip() and not m.get("tool_calls"):
+            if m["role"] == "system":
+                continue
+            raise RowError("empty_content", f"empty {m['role']} turn")
+        messages.append(m)
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("no_assistant_turn")
     reasons = row.get("finish_reasons")  # data.regenerate: one per generated turn, the last assistant turns

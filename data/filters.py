@@ -19,16 +19,25 @@ the conversation (later turns depend on it). A row is admitted to the duplicate 
 passes, even if a later turn rejects it: so the decision on a row depends only on the rows before it, never on how
 a run was cut into pieces (data.synthesize checks the opening turn before it pays for the answer).
 
+Rows are read as data.prepare reads them (data.chat.read_turns): OpenAI `messages` or ShareGPT `conversations`, role
+aliases (`human`, `gpt`, `User`, ...) in any case. The command also rejects a line that is not UTF-8 (`bad_encoding`)
+and a row with a turn data.prepare cannot read (its reason: `unknown_role`, `non_string_content`, ...). It writes OUT
+and the stats to temporary files renamed at the end, so a failure leaves the previous run's pair; an --out or
+--stats that is the input (the same file, hard links included) or a --heldout file, or both the same, is refused.
+
 Near duplicates: MinHash (datasketch) over word 3-shingles of the normalised text, banded LSH with an index that
 grows row by row: about 100 us and 3.5 KB of host RAM per row admitted (1M rows: 2 minutes of one core, 3.5 GB).
 """
 import argparse
 import hashlib
 import json
+import os
 import re
 import zlib
 from collections import Counter
 from pathlib import Path
+
+from data.chat import RowError, decode_line, read_turns
 
 
 HELDOUT_DEFAULT = Path(__file__).resolve().parent / "default" / "eval_prompts.jsonl"
@@ -106,11 +115,13 @@ def loops(text: str) -> bool:
 # --- rows -----------------------------------------------------------------------------------------------------------
 
 def user_turns(row: dict) -> list[str]:
-    return [m.get("content") or "" for m in row.get("messages") or [] if m.get("role") == "user"]
+    """The row's user turns, read as data.prepare reads them (data.chat.read_turns: `messages` or ShareGPT
+    `conversations`, role aliases in any case); RowError for a turn data.prepare could not read."""
+    return [m["content"] for m in read_turns(row) if m["role"] == "user"]
 
 
 def answers(row: dict) -> list[str]:
-    return [m.get("content") or "" for m in row.get("messages") or [] if m.get("role") == "assistant"]
+    return [m["content"] for m in read_turns(row) if m["role"] == "assistant"]
 
 
 def heldout_prompts(paths) -> list[str]:
@@ -228,8 +239,8 @@ def empty_stats() -> dict:
 
 
 def count(stats: dict, row: dict, reason) -> None:
-    if reason:
-        stats["rejected"][reason] += 1
+    if reason:   # REASONS, or the RowError reason of a row data.prepare cannot read (data.filters' command)
+        stats["rejected"][reason] = stats["rejected"].get(reason, 0) + 1
     else:
         stats["kept"] += 1
         stats["length_capped"] += length_capped(row)
@@ -245,39 +256,78 @@ def format_stats(stats: dict) -> str:
 
 # --- command --------------------------------------------------------------------------------------------------------
 
+def row_reason(filters: Filters, line: bytes, where: str):
+    """-> (row or None, the first reason to reject it or None) of one input line. A line that is not UTF-8 is
+    `bad_encoding` and a turn data.prepare cannot read is its RowError reason (`unknown_role`, ...), as
+    data.prepare counts them; SystemExit for a line that is not a JSON object (not a conversations file)."""
+    try:
+        row = json.loads(decode_line(line))
+    except RowError as e:
+        return None, e.reason
+    except ValueError:
+        row = None
+    if not isinstance(row, dict):
+        raise SystemExit(f"filters: {where} is not a JSON object with `messages` (or ShareGPT `conversations`); "
+                         f"fix or remove that line")
+    try:
+        return row, filters.check(row)
+    except RowError as e:
+        return row, e.reason
+
+
+def check_paths(ap, args, stats_path: Path):
+    """Refuse an --out or --stats that is an input (os.path.samefile: a hard link or symlink too) or that is the
+    other output: writing one would destroy what is read or written."""
+    def same(a: Path, b: Path) -> bool:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    for flag, path in (("--out", args.out), ("--stats", stats_path)):
+        if path.is_dir():
+            ap.error(f"{flag} {path} is a folder: give a file path")
+        for inp in [args.input, *args.heldout]:
+            if same(path, inp):
+                ap.error(f"{flag} {path} is the input {inp} (the same file): nothing was written; give another "
+                         f"{flag} path")
+    if same(args.out, stats_path):
+        ap.error(f"--out and --stats are the same file {args.out}: give --stats another path (default: "
+                 f"OUT.stats.json)")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("input", type=Path, help="conversations JSONL ({messages, finish_reasons?, ...} per line)")
-    ap.add_argument("--out", type=Path, required=True, help="JSONL of the kept rows (overwritten)")
+    ap.add_argument("--out", type=Path, required=True, help="JSONL of the kept rows (replaced once all is written)")
     ap.add_argument("--stats", type=Path, help="counts by reason as JSON (default: OUT.stats.json)")
     ap.add_argument("--heldout", type=Path, action="append", default=[],
                     help=f"more evaluation prompts to keep out (always: "
                          f"{', '.join(p.name for p in HELDOUT_DEFAULTS)})")
     args = ap.parse_args(argv)
-    if args.out.resolve() == args.input.resolve():
-        ap.error("--out must differ from the input (the input is read while the output is written)")
     stats_path = args.stats or Path(str(args.out) + ".stats.json")
-    filters = Filters(heldout_prompts([*HELDOUT_DEFAULTS, *args.heldout]))
-    stats = empty_stats()
     if not args.input.is_file():
         raise SystemExit(f"filters: no such file {args.input}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    check_paths(ap, args, stats_path)
+    filters = Filters(heldout_prompts([*HELDOUT_DEFAULTS, *args.heldout]))
+    stats = empty_stats()
+    # written beside their final names and moved there at the end: a failure leaves the previous run's files
+    tmp_out, tmp_stats = (p.with_name(f"{p.name}.tmp{os.getpid()}") for p in (args.out, stats_path))
+    for p in (tmp_out, tmp_stats):
+        p.parent.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
-    with open(args.input, encoding="utf-8", errors="replace") as inp, open(args.out, "w", encoding="utf-8") as out:
-        for n, line in enumerate(tqdm(inp, desc="filter", unit=" rows", mininterval=1.0), 1):  # streamed: 1M rows
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                assert isinstance(row, dict) and isinstance(row.get("messages"), list)
-            except (ValueError, AssertionError):
-                raise SystemExit(f"filters: {args.input}:{n} is not a JSON row with a `messages` list; fix or "
-                                 f"remove that line")
-            reason = filters.check(row)
-            count(stats, row, reason)
-            if not reason:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    stats_path.write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        with open(args.input, "rb") as inp, open(tmp_out, "w", encoding="utf-8") as out:
+            for n, line in enumerate(tqdm(inp, desc="filter", unit=" rows", mininterval=1.0), 1):  # streamed
+                line = line.removeprefix(b"\xef\xbb\xbf") if n == 1 else line  # a UTF-8 BOM, as data.prepare
+                if not line.strip():
+                    continue
+                row, reason = row_reason(filters, line, f"{args.input}:{n}")
+                count(stats, row, reason)
+                if not reason:
+                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        tmp_stats.write_text(json.dumps(stats, indent=2) + "\n")
+        os.replace(tmp_out, args.out)
+        os.replace(tmp_stats, stats_path)
+    finally:
+        for p in (tmp_out, tmp_stats):
+            p.unlink(missing_ok=True)
     print(f"filters: {format_stats(stats)}; wrote {args.out} and {stats_path}")
     return stats
 

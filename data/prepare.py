@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tqdm import tqdm
 
-from data.chat import RowError, end_of_turn, normalize_messages, template_hash, tokenize_chat
+from data.chat import RowError, decode_line, end_of_turn, normalize_messages, template_hash, tokenize_chat
 
 MAX_LEN = 4096               # tokens per sample; longer rows are truncated (or dropped with --overlong drop)
 MAX_ROW_BYTES = 32 << 20     # a raw row larger than this is skipped as too_long without being parsed
@@ -56,9 +56,9 @@ def _lines(path: Path, data: bytes):
             yield src, None, "too_long", f"{len(line)} bytes"
             continue
         try:
-            yield src, line.decode("utf-8"), "", ""
-        except UnicodeDecodeError as e:
-            yield src, None, "bad_encoding", str(e)[:80]
+            yield src, decode_line(line), "", ""
+        except RowError as e:
+            yield src, None, e.reason, e.detail
 
 
 def _read_bytes(path: Path) -> bytes:

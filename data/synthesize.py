@@ -44,13 +44,22 @@ second) once every lower index of its stream is, so a stop loses at most the can
 Ctrl-C still records the run (rows, tokens, wall time) in OUT.stats.json and prints the final line. A self-written
 opener is judged for duplicates only once every lower index's opener was, so the verdicts are those of one pass in
 index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks its newline is
-kept. The settings that shape the rows (--seed, --turns, --system, temperatures, token caps, model,
-mix, openers and held-out files) are recorded in OUT.stats.json and must match when resuming; --num, --mix-ratio,
---batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples slightly different
-rows than an fp32 one, and a compiled sampler's float logs may round differently from eager).
+kept; a file of other JSON given as --out (a prompt file) is refused and left as it is. The settings that shape the
+rows (--seed, --turns, --system, temperatures, token caps, the model's config.json and weights (their headers and
+first MiB), mix, openers and held-out files) are recorded in OUT.stats.json and must match when resuming; --num,
+--mix-ratio, --batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples
+slightly different rows than an fp32 one, and a compiled sampler's float logs may round differently from eager).
+A stream that already holds more rows than a changed --mix-ratio gives it keeps them, and the other stream makes
+only what adds up to --num.
+
+One run at a time writes an --out: the run holds OUT.lock (flock, released however the run ends; its text names
+the holder), and a second run on the same --out is refused with the holder's pid, host and start time.
 
 A stream that has tried ATTEMPTS_PER_ROW (--attempts-per-row) candidates per row it must supply stops there, short,
 with the reasons printed: more attempts would not help a model whose prompts the filters keep rejecting.
+
+Exit status: 0 when --out holds --num rows; 1 when it holds fewer (a SIGTERM or Ctrl-C, a stream stopped short), with
+the command that goes on from there; 2 for a bad argument.
 """
 import argparse
 import hashlib
@@ -58,6 +67,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import sys
 import time
@@ -68,6 +78,7 @@ from typing import NamedTuple
 from collections import deque
 
 from data import filters as F
+from data import resume
 from data.chat import end_of_turn, render, template_hash
 from data.engine import Request
 from data.regenerate import read_prompts, row_id
@@ -145,8 +156,12 @@ NO_OPENER = Opener("", "", 1.0)     # a self row without --openers: the model wr
 
 def read_openers(path: Path) -> list[Opener]:
     """--openers FILE -> [Opener]; SystemExit naming the line for a malformed one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"synthesize: --openers {path} is not UTF-8 text ({e}); save it as UTF-8 JSONL")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -168,38 +183,15 @@ def read_openers(path: Path) -> list[Opener]:
 # --- files ----------------------------------------------------------------------------------------------------------
 
 def read_back(path: Path) -> list[dict]:
-    """Rows already written. A torn last line (it does not parse) is cut off; a complete one that only lacks its
-    newline gets it, so appends stay valid JSONL. A bad line before the last is an error, not cut (rows after it
-    would go too)."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            stream_of(row)
-        except (ValueError, TypeError, AttributeError) as e:
-            if n < len(lines):
-                raise SystemExit(f"synthesize: {path}:{n} is not a finished row ({e}); only a torn last line is "
-                                 f"repaired by itself: fix or remove this one")
-            print(f"synthesize: dropping a torn last line of {path} ({len(line)} bytes)", file=sys.stderr)
-            with open(path, "r+b") as f:
-                f.truncate(len(data) - len(line))
-            return rows
-        rows.append(row)
-    if lines[-1].strip():  # complete, without its newline
-        with open(path, "ab") as f:
-            f.write(b"\n")
-    return rows
+    """Rows already written (data.resume.read_back: a torn last line is cut, nothing else is changed; a file of
+    other JSON, e.g. a prompt file given as --out, is refused)."""
+    return resume.read_back(path, "synthesize", stream_of)
 
 
 def stream_of(row: dict) -> tuple[str, int]:
+    """A written row's (stream, index); ValueError (or KeyError, TypeError) for anything that is not one."""
     stream, index = row["id"].split("/")
-    if stream not in STREAMS:
+    if stream not in STREAMS or not isinstance(row["messages"], list):
         raise ValueError(f"id {row['id']!r} is not self/<i> or mix/<j>")
     return stream, int(index)
 
@@ -393,7 +385,8 @@ def read_mix(args) -> list[tuple[str, list[str]]]:
 def run_config(args, tok) -> dict:
     """The settings that shape the rows: a resumed run must have the same."""
     cfg_file = Path(args.model) / "config.json"
-    return {"model_config": file_hash(cfg_file) if cfg_file.exists() else None, "chat_template": template_hash(tok),
+    return {"model_config": file_hash(cfg_file) if cfg_file.exists() else None,
+            "model_weights": resume.weights_fingerprint(args.model), "chat_template": template_hash(tok),
             "seed": args.seed, "turns": args.turns, "system": args.system or None,
             "max_new_tokens": args.max_new_tokens, "prompt_tokens": args.prompt_tokens,
             "temperature": args.temperature, "prompt_temperature": args.prompt_temperature,
@@ -408,7 +401,8 @@ def run_config(args, tok) -> dict:
 
 def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
     """-> the stats file's earlier content ({} when no row was written yet); SystemExit when rows exist and the
-    settings that made them differ from this run's."""
+    settings that made them differ from this run's. A stats file from before the weights were fingerprinted (no
+    "model_weights") takes this run's, with a note: its config.json hash still has to match."""
     if not have_rows:
         return {}
     if not path.exists():
@@ -416,23 +410,36 @@ def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
                          f"restore it, or write to a new --out")
     try:
         old = json.loads(path.read_text())
-        assert isinstance(old.get("config"), dict)
+        assert isinstance(old, dict) and isinstance(old.get("config"), dict)
     except (ValueError, AssertionError):
         raise SystemExit(f"synthesize: {path} is not a stats file written by data.synthesize; restore it, or write "
                          f"to a new --out")
     was = old["config"]
+    if "model_weights" not in was:
+        print(f"synthesize: note: {path} predates the weights' fingerprint; the rows are taken as made by the "
+              f"weights of --model (its config.json matches), whose fingerprint is recorded from now on",
+              file=sys.stderr)
+        was["model_weights"] = config["model_weights"]
     diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
     if diff:
         said = "; ".join(f"{k}: was {was.get(k)!r}, now {config.get(k)!r}" for k in diff)
+        model = (" The rows were written by another model (other weights behind the same config.json mix two "
+                 "models' answers): use the model that wrote them.") if "model_weights" in diff else ""
         raise SystemExit(f"synthesize: cannot resume {str(path).removesuffix('.stats.json')}: settings differ "
-                         f"({said}). Rows made with other settings would not match the ones written: use the earlier "
-                         f"settings, or a new --out")
+                         f"({said}).{model} Rows made with other settings would not match the ones written: use the "
+                         f"earlier settings, or a new --out")
     return old
 
 
-def targets(args) -> dict:
+def targets(args, kept: dict | None = None) -> dict:
+    """Rows each stream supplies: round(N * mix_ratio) from the mix stream, the rest self-written. kept: rows
+    already written per stream; where a stream already holds more than its share (an earlier run had a larger
+    --mix-ratio), the other stream supplies only what makes N in all: rows are never removed, and never more
+    than N are made."""
     n_mix = round(args.num * args.mix_ratio) if args.mix else 0
-    return {"self": args.num - n_mix, "mix": n_mix}
+    share = {"self": args.num - n_mix, "mix": n_mix}
+    kept = kept or dict.fromkeys(STREAMS, 0)
+    return {s: max(0, share[s] - max(0, kept[other] - share[other])) for s, other in (("self", "mix"), ("mix", "self"))}
 
 
 def parse_args(argv):
@@ -476,6 +483,8 @@ def parse_args(argv):
                  "--mix-ratio 0.02) or neither")
     if not Path(args.model).is_dir():
         ap.error(f"--model {args.model} is not a model folder")
+    if args.out.is_dir():
+        ap.error(f"--out {args.out} is a folder: give the path of a JSONL file, e.g. {args.out / 'rows.jsonl'}")
     for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--openers", args.openers)] * bool(args.openers) + \
             [("--heldout", p) for p in args.heldout]:
         if not path.is_file():
@@ -483,9 +492,26 @@ def parse_args(argv):
     return args
 
 
+class Incomplete(SystemExit):
+    """Raised at the end of a run that left fewer than --num rows in --out (a stop, or a stream that ran out of
+    attempts): the exit status is 1, so `synthesize && prepare` does not prepare a partial set. `summary` is what
+    main would have returned."""
+
+    def __init__(self, message: str, summary: dict):
+        super().__init__(message)
+        self.summary = summary
+
+
 def main(argv=None) -> dict:
-    """-> this run's summary (for tests): the stats written to OUT.stats.json."""
+    """-> this run's summary (for tests): the stats written to OUT.stats.json. Incomplete (exit status 1) when --out
+    holds fewer than --num rows at the end, with the command that goes on from there."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
+    with resume.locked(args.out, "synthesize"):   # one run per --out: two would write every row twice
+        return run(args, argv)
+
+
+def run(args, argv) -> dict:
     t_start = time.time()
     tok = load_tokenizer(args.model)
     config = run_config(args, tok)
@@ -505,17 +531,15 @@ def main(argv=None) -> dict:
             if s == "self" and not filters.opener_reason(row):
                 filters.admit(row)
             F.count(stats[s], row, reason)
-    want = targets(args)
+    want = targets(args, {s: stats[s]["kept"] for s in STREAMS})
+    if want != targets(args):
+        print(f"synthesize: note: the mix stream already holds {stats['mix']['kept']:,} rows (an earlier run had "
+              f"another --mix-ratio): this run makes only what adds up to --num {args.num:,} (self {want['self']:,}, "
+              f"mix {want['mix']:,})", file=sys.stderr)
     nxt = {s: stream_of(rows[-1])[1] + 1 if rows else 0 for s, rows in written.items()}
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []
-    longest_mix = max((len(encode(tok, u)) for _, users in mix_prompts for u in users[:args.turns]), default=0)
-    # the longest first user turn an opener can make: its text and its cap (a later turn: --prompt-tokens)
-    longest_opener = max((len(encode(tok, o.text)) + (o.prompt_tokens or args.prompt_tokens) for o in openers),
-                         default=args.prompt_tokens)
-    max_len = (len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
-               + args.turns * (max(longest_opener, args.prompt_tokens, longest_mix) + args.max_new_tokens
-                               + 2 * TURN_OVERHEAD))
+    max_len = check_max_len(args, tok, openers, mix_prompts)
     print(f"synthesize: {kept0:,} rows already in {args.out} (self {stats['self']['kept']:,}, mix "
           f"{stats['mix']['kept']:,}), want {args.num:,} (self {want['self']:,}, mix {want['mix']:,}); "
           f"max_len {max_len:,} tokens; up to {WINDOW_PER_SLOT * args.batch_size:,} candidates in flight")
@@ -526,52 +550,109 @@ def main(argv=None) -> dict:
         write_json(stats_path(args.out), summarize(config, stats, nxt, runs))
     record()  # the settings are on disk before the first row is
     todo = {s: max(0, want[s] - stats[s]["kept"]) for s in STREAMS}
-    if sum(todo.values()):
-        engine, model = load_engine(args, max_len)
-        synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers)
-        from tqdm import tqdm
-        bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
-        sink = Sink(args.out)
-        stopped = None
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)  # a stop (timeout, kill) still records this run
-        try:
-            generate_rows(synth, stats, want, nxt, args, sink, bar, record)
-        except (Stopped, KeyboardInterrupt) as e:
-            stopped = str(e) or "SIGINT"
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            sink.close()
-            bar.close()
-        wall, n_written = time.time() - synth.t0, synth.written
-        es = getattr(engine, "stats", {})  # busy: tokens per slot-step the engine ran (1.0: every slot, every step)
-        busy = round(es["generated"] / (es["decode_steps"] * engine.S), 3) if es.get("decode_steps") else None
-        runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
-                     "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
-                     "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
-                     "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
-                     "dtype": args.dtype,
-                     **({"stopped": stopped} if stopped else {})})
-        record()
-        for s in STREAMS:
-            if stopped:
-                print(f"synthesize: stopped by {stopped}; rerun the same command to go on from here",
-                      file=sys.stderr)
-                break
-            if stats[s]["kept"] < want[s]:
-                print(f"synthesize: the {s} stream stopped short at {stats[s]['kept']:,} of {want[s]:,} rows after "
-                      f"{nxt[s]:,} candidates ({args.attempts_per_row:g} per row); its rejections: "
-                      f"{F.format_stats(stats[s])}. Raise --prompt-temperature or --prompt-tokens, or "
-                      f"--attempts-per-row", file=sys.stderr)
-        for s in STREAMS:
-            if want[s] or stats[s]["kept"]:
-                print(f"synthesize: {s}: {F.format_stats(stats[s])}")
-        print(f"synthesize: wrote {n_written:,} rows to {args.out} in {wall:,.1f} s: {n_written / wall:,.2f} conv/s, "
-              f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates "
-              f"too; "
-              f"{time.time() - t_start:,.1f} s with loading)")
-    else:
+    if not sum(todo.values()):
         print(f"synthesize: nothing to do ({kept0:,} rows >= {args.num:,})")
-    return summarize(config, stats, nxt, runs)
+        return summarize(config, stats, nxt, runs)
+    engine, model = load_engine(args, max_len)
+    synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers)
+    from tqdm import tqdm
+    bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
+    sink = Sink(args.out)
+    stopped = None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)  # a stop (timeout, kill) still records this run
+    try:
+        generate_rows(synth, stats, want, nxt, args, sink, bar, record)
+    except (Stopped, KeyboardInterrupt) as e:
+        stopped = str(e) or "SIGINT"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sink.close()
+        bar.close()
+    wall, n_written = time.time() - synth.t0, synth.written
+    es = getattr(engine, "stats", {})  # busy: tokens per slot-step the engine ran (1.0: every slot, every step)
+    busy = round(es["generated"] / (es["decode_steps"] * engine.S), 3) if es.get("decode_steps") else None
+    runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
+                 "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
+                 "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
+                 "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
+                 "dtype": args.dtype,
+                 **({"stopped": stopped} if stopped else {})})
+    record()
+    for s in STREAMS:
+        if want[s] or stats[s]["kept"]:
+            print(f"synthesize: {s}: {F.format_stats(stats[s])}")
+    print(f"synthesize: wrote {n_written:,} rows to {args.out} in {wall:,.1f} s: {n_written / wall:,.2f} conv/s, "
+          f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates "
+          f"too; {time.time() - t_start:,.1f} s with loading)")
+    summary = summarize(config, stats, nxt, runs)
+    short = short_message(args, argv, stats, want, nxt, stopped)
+    if short:
+        raise Incomplete(short, summary)
+    return summary
+
+
+def short_message(args, argv, stats, want, nxt, stopped) -> str | None:
+    """-> None when every stream has its rows, else what is missing and the exact command that goes on."""
+    kept = sum(stats[s]["kept"] for s in STREAMS)
+    if all(stats[s]["kept"] >= want[s] for s in STREAMS):
+        return None
+    python = f"{shlex.quote(sys.executable)} -m data.synthesize"
+    command = f"{python} {shlex.join(argv)}"
+    head = f"synthesize: {args.out} holds {kept:,} of --num {args.num:,} rows"
+    if stopped:
+        return f"{head}: stopped by {stopped}. Run the same command again to go on from here:\n  {command}"
+    lines = [head + ":"]
+    for s in STREAMS:
+        if stats[s]["kept"] < want[s]:
+            lines.append(f"  the {s} stream stopped short at {stats[s]['kept']:,} of {want[s]:,} rows after "
+                         f"{nxt[s]:,} candidates ({args.attempts_per_row:g} per row); its rejections: "
+                         f"{F.format_stats(stats[s])}")
+    again = [a for a in argv if not a.startswith("--attempts-per-row=")]
+    if "--attempts-per-row" in again:
+        i = again.index("--attempts-per-row")
+        del again[i:i + 2]
+    again += ["--attempts-per-row", f"{2 * args.attempts_per_row:g}"]   # as many candidates again as so far
+    lines.append(f"More attempts go on from here (attempts count over every run on this --out):\n  {python} "
+                 f"{shlex.join(again)}\nor, for a model whose prompts the filters keep rejecting, "
+                 f"start a new --out with a higher --prompt-temperature or --prompt-tokens (settings that shape "
+                 f"the rows cannot change on resume)")
+    return "\n".join(lines)
+
+
+def check_max_len(args, tok, openers, mix_prompts) -> int:
+    """-> the engine's tokens per slot: the template and, per turn, the longest user turn and the answer cap.
+    SystemExit when that passes the model's max_position_embeddings (a huge "prompt_tokens" in the openers file
+    would otherwise ask the engine for a KV cache of that length)."""
+    longest_mix = max((len(encode(tok, u)) for _, users in mix_prompts for u in users[:args.turns]), default=0)
+    # the longest first user turn an opener can make: its text and its cap (a later turn: --prompt-tokens)
+    longest_opener = max(openers, default=None,
+                         key=lambda o: len(encode(tok, o.text)) + (o.prompt_tokens or args.prompt_tokens))
+    opener_len = (len(encode(tok, longest_opener.text)) + (longest_opener.prompt_tokens or args.prompt_tokens)
+                  if longest_opener else args.prompt_tokens)
+    template = len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
+    user_len = max(opener_len, args.prompt_tokens, longest_mix)
+    max_len = template + args.turns * (user_len + args.max_new_tokens + 2 * TURN_OVERHEAD)
+    limit = max_positions(Path(args.model))
+    if limit and max_len > limit:
+        which = (f"the opener {longest_opener.name!r} of --openers {args.openers} (\"prompt_tokens\" "
+                 f"{longest_opener.prompt_tokens:,})" if longest_opener and longest_opener.prompt_tokens
+                 and user_len == opener_len else f"--prompt-tokens {args.prompt_tokens:,}"
+                 if user_len == args.prompt_tokens else f"a --mix prompt of {longest_mix:,} tokens")
+        raise SystemExit(f"synthesize: a conversation may need {max_len:,} tokens ({args.turns} turn(s) of a user turn "
+                         f"up to {user_len:,} tokens, from {which}, and --max-new-tokens {args.max_new_tokens:,}), "
+                         f"more than --model's max_position_embeddings {limit:,}: lower them to fit")
+    return max_len
+
+
+def max_positions(model: Path) -> int | None:
+    """The model's max_position_embeddings from its config.json (a multimodal config's text_config); None if absent."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config") or cfg if isinstance(cfg, dict) else {}
+    n = cfg.get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def summarize(config, stats, nxt, runs) -> dict:

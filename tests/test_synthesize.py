@@ -259,7 +259,11 @@ def test_sigterm_records_the_run_and_a_rerun_goes_on(tmp_path, qwen3_dir, script
             yield out
     monkeypatch.setattr(ScriptedEngine, "run", run_then_term)
     out, one = tmp_path / "s.jsonl", tmp_path / "one.jsonl"
-    stats = synth(qwen3_dir, out, 40)
+    with pytest.raises(syn.Incomplete) as stop:   # exit status 1: `synthesize && prepare` stops here
+        synth(qwen3_dir, out, 40)
+    assert stop.value.code != 0 and "stopped by SIGTERM. Run the same command again" in str(stop.value)
+    assert f"-m data.synthesize --model {qwen3_dir} --num 40 --out {out} " in str(stop.value)
+    stats = stop.value.summary
     last = stats["runs"][-1]
     assert last["stopped"] == "SIGTERM" and 0 < last["rows"] < 40 and last["generated_tokens"] > 0
     assert len(read_jsonl(out)) == last["rows"] == stats["kept"]
@@ -389,9 +393,12 @@ def test_shipped_openers_file_parses():
 def test_attempts_cap_and_changed_settings(tmp_path, qwen3_dir, scripted, capsys):
     scripted.never_stop = True  # every user turn runs into --prompt-tokens
     out = tmp_path / "t.jsonl"
-    stats = synth(qwen3_dir, out, 5)
+    with pytest.raises(syn.Incomplete) as short:
+        synth(qwen3_dir, out, 5)
+    stats = short.value.summary
     assert stats["kept"] == 0 and stats["rejected"]["truncated_user"] == 5 * syn.ATTEMPTS_PER_ROW
-    assert "stopped short at 0 of 5 rows after 15 candidates" in capsys.readouterr().err
+    assert "stopped short at 0 of 5 rows after 15 candidates" in str(short.value)
+    assert f"--batch-size 4 --attempts-per-row {2 * syn.ATTEMPTS_PER_ROW}" in str(short.value)
     with pytest.raises(SystemExit, match="seed: was 0, now 1"):
         synth(qwen3_dir, out, 5, "--seed", 1)
     with pytest.raises(SystemExit):

@@ -1,0 +1,109 @@
+"""What lets a data command append to one output file over several runs: one run at a time (`locked`), the rows
+earlier runs wrote (`read_back`), and which weights wrote them (`weights_fingerprint`).
+
+The lock is the trainer's OUT_DIR lock (checkpoint.lock_out_dir) for a file: flock on OUT.lock, which the kernel
+releases when the holder exits however it exits (kill -9 included), so a dead run never blocks the next one; the
+file's text names the holder (host, pid, start time) for the message a second run gets.
+"""
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a model folder holds its weights in
+FINGERPRINT_DATA = 1 << 20                              # bytes of tensor data hashed per weight file after its header
+
+
+def lock_path(out: Path) -> Path:
+    return Path(str(out) + ".lock")
+
+
+@contextmanager
+def locked(out: Path, tool: str):
+    """Hold OUT.lock for the body; SystemExit naming the holder when another run holds it (nothing is changed).
+    A lock file naming a run that is gone is taken over with a message."""
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    held = False
+    try:
+        f.seek(0)
+        before = f.read().strip()
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"{tool}: {out} is being written by another run ({before or 'holder unknown'}); "
+                             f"nothing was changed. Wait for it to end or stop it, or write to another output") from None
+        held = True
+        if before:
+            print(f"{tool}: {path} names a run that is gone ({before}); taking it over", file=sys.stderr)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{tool} pid {os.getpid()} on host {socket.gethostname()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        f.flush()
+        yield
+    finally:
+        if held:
+            f.truncate(0)   # a normal end leaves the file empty; a killed run, its name
+        f.close()
+
+
+def read_back(path: Path, tool: str, check) -> list[dict]:
+    """The rows earlier runs wrote to `path` ([] when it does not exist), each passed through check(row), which
+    raises (ValueError, TypeError, KeyError, AttributeError) for JSON that is not a row of `tool`.
+
+    A last line that does not parse as JSON (a write cut by a kill) is cut off; a complete last row that only lacks
+    its newline gets one, so appends stay valid JSONL. Nothing else is ever changed: a bad line before the last
+    (the rows after it would go too), or a line that parses but is not this tool's row (another file given as the
+    output, e.g. a prompt file) is SystemExit naming the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")  # the last item is what follows the final newline: empty unless unterminated
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if n < len(lines):
+                raise SystemExit(f"{tool}: {path}:{n} is not a finished row ({e}); only a torn last line is repaired "
+                                 f"by itself: fix or remove this one")
+            print(f"{tool}: dropping a torn last line of {path} ({len(line)} bytes)", file=sys.stderr)
+            with open(path, "r+b") as f:
+                f.truncate(len(data) - len(line))
+            return rows
+        try:
+            check(row)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise SystemExit(f"{tool}: {path}:{n} is JSON but not a row that {tool} writes ({type(e).__name__}: "
+                             f"{e}): is {path} really the output of an earlier {tool} run? It was left as it is: "
+                             f"give another output path, or move this file away")
+        rows.append(row)
+    if lines[-1].strip():  # complete, without its newline
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return rows
+
+
+def weights_fingerprint(path) -> str | None:
+    """sha256 over a model folder's weight files: each one's name, safetensors header and first FINGERPRINT_DATA
+    bytes of tensor data (another checkpoint of the same architecture has the same header but other data), as the
+    trainer's checkpoint.target_fingerprint reads them. None when the folder holds no weight file."""
+    files = sorted(p for pat in WEIGHT_FILES for p in Path(path).expanduser().glob(pat))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if f.suffix == ".safetensors" else 0
+            h.update(f.name.encode() + head + fh.read(n + FINGERPRINT_DATA))
+    return h.hexdigest()
