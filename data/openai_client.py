@@ -25,6 +25,7 @@ Errors are sorted in three kinds, never guessed from a message:
 Several endpoints share one queue of work: each runs `concurrency` worker threads that take the next request from
 it, so a faster server takes more. Threads are daemons: a run that stops does not wait for requests in flight.
 """
+import hashlib
 import http.client
 import json
 import queue
@@ -132,6 +133,19 @@ def with_retries(fn, tries: int, what: str, log=None):
             time.sleep(wait)
 
 
+def api_seed(seed: int, key: int) -> int:
+    """The API's `seed` of a request from the run's seed and the request's own key: 31 bits (what every server
+    takes), the same in every run."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest(), "little") % 2 ** 31
+
+
+def exit_rejected(tool: str, err: Rejected):
+    """Print what the server refused and what to fix, then exit with status 2 (rows already written stay)."""
+    print(f"{tool}: stopped: {err}\n{tool}: nothing written is lost: fix this and run the same command again to go "
+          f"on", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def choices_of(reply: dict, url: str, chat: bool) -> list[Choice]:
     """The choices of a completion reply. A chat message's reasoning (`reasoning_content` from SGLang and vLLM,
     `reasoning` from newer vLLM, both from a server that runs a reasoning parser) is put back in front of the answer
@@ -172,8 +186,8 @@ def chat_request(messages, max_tokens, temperature=0.0, seed=None, thinking=None
 
 
 def completion_request(prompt, max_tokens, temperature=0.0, n=1, seed=None, stop=None, **extra) -> tuple[str, dict]:
-    """-> (path, body) of a raw completion: `prompt` a string or a list of token ids (tokenized by nobody: no
-    special tokens added), n choices, `stop` strings; extra fields as given (vLLM / SGLang: stop_token_ids)."""
+    """-> (path, body) of a raw completion of `prompt` (a string), n choices, `stop` strings; extra fields as given
+    (vLLM / SGLang: stop_token_ids; vLLM: add_special_tokens)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "n": n, **extra}
     if seed is not None:
         body["seed"] = seed
@@ -239,13 +253,13 @@ class Endpoint:
             choices_of(reply, url, chat=True)
             if completions:
                 url = f"{self.url}/completions"
-                with_retries(lambda: self.complete([0], 1), self.tries, url)
+                with_retries(lambda: self.complete("Hi", 1), self.tries, url)
         except Rejected as e:
             what = "a one-token chat request" if url.endswith("chat/completions") else \
-                "a one-token raw completion of a token-id prompt"
+                "a one-token raw completion"
             raise Rejected(e.url, e.status, f"{e.message} (the probe: {what} to model {self.model!r})",
                            "Check that the server runs this model with a chat template (vLLM: --chat-template) and "
-                           "accepts /v1/completions with a token-id prompt") from None
+                           "accepts /v1/completions") from None
 
 
 # --- several servers ------------------------------------------------------------------------------------------------
