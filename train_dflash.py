@@ -302,7 +302,12 @@ def check_init_from(dcfg) -> list[str]:
     """INIT_FROM's config.json against the drafter this run builds (dcfg), before any model loads. Exits naming
     every setting that differs, both values and the flag that fits the export; returns notes on fields that are
     not shapes (RoPE, norm eps, context length), which the run takes from its target."""
-    src = DrafterConfig.from_serving(json.loads((Path(INIT_FROM) / "config.json").read_text()))
+    cfg = json.loads((Path(INIT_FROM) / "config.json").read_text())
+    if not isinstance(cfg, dict) or "dflash_config" not in cfg or "num_target_layers" not in cfg:
+        sys.exit(f"error: INIT_FROM={INIT_FROM} is not an exported drafter (its config.json has no dflash_config / "
+                 f"num_target_layers: a target or other HF model folder?). INIT_FROM takes a drafter this trainer "
+                 f"exported, e.g. runs/x/checkpoints/step_N/drafter; the target goes in TARGET")
+    src = DrafterConfig.from_serving(cfg)
 
     def as_setting(key, cfg):   # the field as the value of the setting that decides it
         v = getattr(cfg, key)

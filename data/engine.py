@@ -162,6 +162,7 @@ class Engine:
         # float logs may round differently from eager, so a row can differ from an eager run's
         self._draw_step = torch.compile(draw, dynamic=False) if compile_sampler else draw
         cfg = model.config.get_text_config()
+        check_family(cfg)                                       # before reading the layers: others have no .layers
         self.decoder = model.get_decoder()
         self.layers = list(self.decoder.layers)
         attn = self.layers[0].self_attn
@@ -415,12 +416,18 @@ class Engine:
 
 # --- the decoder layer's wiring (also model/fastdecode.py's) ---------------------------------------------------------
 
-def check_supported(cfg, attn, rotary, max_len, fallback="--engine hf"):
-    """The engine re-implements the decoder layer's wiring: refuse models whose wiring or RoPE differs.
-    fallback: what the message tells the user to use instead."""
+def check_family(cfg, fallback="--engine hf"):
+    """Refuse a model_type whose decoder layer is not the one the engine runs (read from the config alone, so a
+    GPT-2 or BERT-style model gets this message, not an AttributeError on its modules)."""
     if cfg.model_type not in SUPPORTED:
         raise ValueError(f"engine: model_type {cfg.model_type!r} is not one of {SUPPORTED} (their decoder layers are "
                          f"what the engine runs): use {fallback}")
+
+
+def check_supported(cfg, attn, rotary, max_len, fallback="--engine hf"):
+    """The engine re-implements the decoder layer's wiring: refuse models whose wiring or RoPE differs.
+    fallback: what the message tells the user to use instead."""
+    check_family(cfg, fallback)
     window = getattr(attn, "sliding_window", getattr(cfg, "sliding_window", None))
     if window is not None and window < max_len:
         raise ValueError(f"engine: {cfg.model_type} uses sliding-window attention ({window} tokens) and max_len "

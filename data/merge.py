@@ -40,7 +40,13 @@ def load_part(path: Path):
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise SystemExit(f"data.merge: {path} lacks columns {sorted(missing)}")
-    return ds, json.loads(stats_path.read_text())
+    try:
+        stats = json.loads(stats_path.read_text(encoding="utf-8"))
+        assert isinstance(stats, dict), f"it holds a {type(stats).__name__}, not an object"
+    except (ValueError, AssertionError) as e:  # UnicodeDecodeError is a ValueError
+        raise SystemExit(f"data.merge: {stats_path} is not the stats file data.prepare writes ({e}); restore it, or "
+                         f"prepare {path} again")
+    return ds, stats
 
 
 def merge(parts, out, overwrite=False) -> dict:

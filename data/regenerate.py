@@ -18,7 +18,9 @@ Both write the same greedy rows. Sampled rows (`--temperature` > 0) from the eng
 row id and the turn, so a resumed run samples what an uninterrupted one would have.
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
-drops a torn last line (that prompt is redone). A prompt that still fails after `--retries` tries goes to
+drops a torn last line (that prompt is redone); an --output whose lines parse but are not this tool's rows (a prompt
+file given by mistake), or that is the --input, is refused and left as it is. One run at a time writes an --output
+(OUTPUT.lock, as data.synthesize). A prompt that still fails after `--retries` tries goes to
 OUTPUT.errors.jsonl and is attempted again on the next run; it never stops the job.
 """
 import argparse
@@ -33,6 +35,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from data import resume
 from data.chat import ROLE_ALIASES, RowError, has_reasoning, normalize_messages
 from data.prepare import read_rows
 
@@ -115,35 +118,17 @@ def read_prompts(path: Path, turns: str, limit: int = 0):
     return prompts, skipped, dupes
 
 
+def output_row(row) -> None:
+    """Raises (KeyError, TypeError, ValueError) unless `row` is a row this tool writes (Sink.done)."""
+    if not (isinstance(row["id"], str) and isinstance(row["messages"], list)
+            and isinstance(row["finish_reasons"], list)):
+        raise ValueError("want an \"id\", a \"messages\" list and a \"finish_reasons\" list")
+
+
 def read_done(output: Path) -> set[str]:
-    """Ids already written. A last line that does not parse (killed mid-write) is torn: it is cut off so appends
-    stay valid JSONL and its prompt is redone. A complete last row that only lacks its newline (an editor, a
-    concatenation) is kept and given one. A bad line before the last is an error, not something to cut (the good
-    rows after it would go too)."""
-    if not output.exists():
-        return set()
-    data = output.read_bytes()
-    lines = data.split(b"\n")  # the last item is what follows the final newline: empty unless unterminated
-    done = set()
-    for n, line in enumerate(lines[:-1], 1):
-        if not line.strip():
-            continue
-        try:
-            done.add(row_id(json.loads(line)))
-        except (ValueError, AttributeError) as e:
-            raise SystemExit(f"regenerate: {output}:{n} is not a finished row ({e}); only a torn last line is "
-                             f"repaired by itself: fix or remove this one")
-    if lines[-1].strip():
-        try:
-            done.add(row_id(json.loads(lines[-1])))
-        except (ValueError, AttributeError):
-            print(f"regenerate: dropping a torn last line of {output} ({len(lines[-1])} bytes)", file=sys.stderr)
-            with open(output, "r+b") as f:
-                f.truncate(len(data) - len(lines[-1]))
-        else:
-            with open(output, "ab") as f:
-                f.write(b"\n")
-    return done
+    """Ids already written (data.resume.read_back: a torn last line is cut off and its prompt redone, nothing else
+    is changed; a file of other JSON, e.g. a prompt file given as --output, is refused)."""
+    return {row["id"] for row in resume.read_back(output, "regenerate", output_row)}
 
 
 class Sink:
@@ -183,7 +168,7 @@ class LocalBackend:
     def __init__(self, path, device, dtype, max_new_tokens, temperature, thinking, seed, engine="fast", slots=0,
                  max_len=4096):
         import torch
-        from data.engine import Engine, auto_slots, default_stop_ids, load_model
+        from data.engine import Engine, auto_slots, check_family, default_stop_ids, load_model
         self.torch = torch
         self.model, self.tok = load_model(path, device, dtype)
         self.device, self.max_new, self.temperature, self.thinking = (
@@ -191,8 +176,12 @@ class LocalBackend:
         self.stop_ids = default_stop_ids(self.model, self.tok)
         self.engine = None
         if engine == "fast":
-            self.engine = Engine(self.model, max_batch=slots or auto_slots(self.model, max_len), max_len=max_len,
-                                 seed=seed)
+            try:   # the family first: auto_slots reads config fields other families lack
+                check_family(self.model.config.get_text_config())
+                self.engine = Engine(self.model, max_batch=slots or auto_slots(self.model, max_len), max_len=max_len,
+                                     seed=seed)
+            except ValueError as e:  # a model the engine does not run
+                raise SystemExit(f"regenerate: {e}")
         self.hf_tokens = 0
         torch.manual_seed(seed)
 
@@ -411,8 +400,25 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if bool(args.model) == bool(args.endpoint):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
-    thinking = {"on": True, "off": False, "auto": None}[args.thinking]
+    for name, ok, want in (("--limit", args.limit >= 0, "0 (all) or more"), ("--retries", args.retries >= 1, "at least 1"),
+                           ("--batch-size", args.batch_size >= 0, "0 (automatic) or more"),
+                           ("--concurrency", args.concurrency >= 1, "at least 1"),
+                           ("--max-new-tokens", args.max_new_tokens >= 1, "at least 1"),
+                           ("--max-len", args.max_len >= 2, "at least 2")):
+        if not ok:
+            ap.error(f"{name} {getattr(args, name[2:].replace('-', '_'))} must be {want}")
+    if args.output.is_dir():
+        ap.error(f"--output {args.output} is a folder: give the path of a JSONL file, e.g. "
+                 f"{args.output / 'regen.jsonl'}")
+    if args.output.exists() and args.input.exists() and os.path.samefile(args.output, args.input):
+        ap.error(f"--output {args.output} is the --input file: the rows would be taken as already done and the "
+                 f"prompts appended to; give another --output")
+    with resume.locked(args.output, "regenerate"):   # one run per --output: two would write every row twice
+        return run(args)
 
+
+def run(args) -> dict:
+    thinking = {"on": True, "off": False, "auto": None}[args.thinking]
     prompts, skipped, dupes = read_prompts(args.input, args.turns, args.limit)
     done = read_done(args.output)
     todo = [p for p in prompts if row_id(p[0]) not in done]

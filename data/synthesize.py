@@ -511,7 +511,8 @@ def targets(args, kept: dict | None = None) -> dict:
     n_mix = round(args.num * args.mix_ratio) if args.mix else 0
     share = {"self": args.num - n_mix, "mix": n_mix}
     kept = kept or dict.fromkeys(STREAMS, 0)
-    return {s: max(0, share[s] - max(0, kept[other] - share[other])) for s, other in (("self", "mix"), ("mix", "self"))}
+    over = {s: max(0, kept[s] - share[s]) for s in STREAMS}   # rows a stream holds past its share
+    return {s: max(0, share[s] + over[s] - over[other]) for s, other in (("self", "mix"), ("mix", "self"))}
 
 
 def parse_args(argv):

@@ -440,3 +440,117 @@ def test_self_eval_prompts_tool(tmp_path, qwen3_dir, scripted):
     assert all(r["messages"][0]["content"].startswith("Explain") for r in rows if r["category"] == "self/ex")
     with pytest.raises(SystemExit, match="exists"):
         self_eval_prompts.main(["--model", str(qwen3_dir), "--out", str(out)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a new user gets wrong: the output is kept, the message names the fix
+
+def test_an_out_of_other_json_is_refused_and_left_as_it_is(tmp_path, qwen3_dir, scripted):
+    """A one-line JSON file (what json.dump writes: a prompt file given as --out by mistake) is not a torn last
+    line: it is refused, byte for byte as it was. A torn last line of real rows is still cut."""
+    for obj in ([{"id": "p1", "messages": [user("hi")]}], {"id": "chatterbot/x/1", "messages": [user("hi")]}):
+        out = tmp_path / "prompts.json"
+        out.write_text(json.dumps(obj))
+        before = out.read_bytes()
+        with pytest.raises(SystemExit, match=r"prompts.json:1 is JSON but not a row that synthesize writes.*another "
+                                             r"output path"):
+            synth(qwen3_dir, out, 4)
+        assert out.read_bytes() == before and not syn.stats_path(out).exists()
+
+
+def test_a_second_run_on_one_out_is_refused_naming_the_holder(tmp_path, qwen3_dir, scripted, monkeypatch, capsys):
+    """Two runs on one --out at once would write every row twice: the second is refused with the first's pid, host
+    and start time, and changes nothing; the first ends with --num distinct rows. A lock file naming a run that is
+    gone (killed) is taken over with a message."""
+    import socket
+    out = tmp_path / "s.jsonl"
+    run, refusals = ScriptedEngine.run, []
+
+    def run_and_race(self, pending, **kw):
+        for i, result in enumerate(run(self, pending, **kw)):
+            if i == 5:
+                before = out.read_bytes()
+                with pytest.raises(SystemExit) as second:
+                    synth(qwen3_dir, out, 40)
+                refusals.append(str(second.value))
+                assert out.read_bytes() == before
+            yield result
+    monkeypatch.setattr(ScriptedEngine, "run", run_and_race)
+    synth(qwen3_dir, out, 40)
+    assert len(refusals) == 1 and "is being written by another run" in refusals[0], refusals
+    assert f"pid {os.getpid()} on host {socket.gethostname()}, started" in refusals[0]
+    assert len(by_id(out)) == 40 and syn.resume.lock_path(out).read_text() == ""  # released at the end
+    monkeypatch.setattr(ScriptedEngine, "run", run)
+    dead = tmp_path / "d.jsonl"
+    syn.resume.lock_path(dead).write_text("synthesize pid 4000000 on host gone, started yesterday\n")
+    synth(qwen3_dir, dead, 5)
+    assert "names a run that is gone (synthesize pid 4000000" in capsys.readouterr().err
+    assert len(by_id(dead)) == 5
+
+
+@pytest.fixture
+def model_dir(tmp_path, qwen3_dir):
+    """The tokenizer with a config.json and a (tiny, fake) model.safetensors: a model folder as far as synthesize
+    reads one before the engine (replaced by the scripted one) loads it."""
+    from safetensors.torch import save_file
+    import torch
+    d = tmp_path / "model"
+    shutil.copytree(qwen3_dir, d)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 512}))
+    save_file({"w": torch.zeros(64)}, d / "model.safetensors")
+    return d
+
+
+def test_other_weights_behind_the_same_config_refuse_a_resume(tmp_path, model_dir, scripted, capsys):
+    """The weights' fingerprint (safetensors header and first MiB, as the trainer's) is part of the settings: other
+    weights of the same shapes behind the same config.json refuse a resume. A stats file written before the
+    fingerprint existed resumes with a note, and records it."""
+    from safetensors.torch import save_file
+    import torch
+    out = tmp_path / "s.jsonl"
+    first = synth(model_dir, out, 6)
+    assert first["config"]["model_weights"] == syn.resume.weights_fingerprint(model_dir)
+    stats = json.loads(syn.stats_path(out).read_text())
+    del stats["config"]["model_weights"]          # as an older data.synthesize wrote it
+    syn.stats_path(out).write_text(json.dumps(stats))
+    again = synth(model_dir, out, 8)
+    assert "predates the weights' fingerprint" in capsys.readouterr().err and again["kept"] == 8
+    assert json.loads(syn.stats_path(out).read_text())["config"]["model_weights"] == first["config"]["model_weights"]
+    save_file({"w": torch.ones(64)}, model_dir / "model.safetensors")   # same header, other weights
+    rows = out.read_bytes()
+    with pytest.raises(SystemExit, match="model_weights: was .* written by another model"):
+        synth(model_dir, out, 10)
+    assert out.read_bytes() == rows
+
+
+def test_a_changed_mix_ratio_on_resume_makes_exactly_num(tmp_path, qwen3_dir, scripted, capsys):
+    """20 rows at --mix-ratio 0.5 (10 mix), then --num 40 at 0.1 (4 of 40 would be mix): the 10 mix rows stay and
+    the self stream makes 30, so --out holds 40 rows, not 46."""
+    mix = ["--mix", "data/default/train_prompts.jsonl"]
+    out = tmp_path / "m.jsonl"
+    synth(qwen3_dir, out, 20, *mix, "--mix-ratio", 0.5)
+    stats = synth(qwen3_dir, out, 40, *mix, "--mix-ratio", 0.1)
+    rows = by_id(out)
+    assert len(rows) == stats["kept"] == 40
+    assert sum(r["source"] != "self" for r in rows.values()) == 10
+    assert "this run makes only what adds up to --num 40 (self 30, mix 10)" in capsys.readouterr().err
+
+
+def test_out_in_a_new_folder_and_bad_paths(tmp_path, qwen3_dir, model_dir, scripted):
+    """The README's recipe on a fresh clone: --out data/synth/x.jsonl in folders that do not exist yet. A folder as
+    --out, a non-UTF-8 openers file and an opener cap past the model's positions get messages, not tracebacks."""
+    out = tmp_path / "data" / "synth" / "x.jsonl"
+    assert synth(qwen3_dir, out, 3)["kept"] == 3 and len(by_id(out)) == 3
+    with pytest.raises(SystemExit) as folder:
+        synth(qwen3_dir, tmp_path / "data", 3)
+    assert folder.value.code == 2
+    ops = tmp_path / "ops.jsonl"
+    ops.write_bytes(b'{"text": "Explain \xff"}\n')
+    with pytest.raises(SystemExit, match="ops.jsonl is not UTF-8 text"):
+        synth(qwen3_dir, tmp_path / "o.jsonl", 3, "--openers", ops)
+    write_openers(ops, [{"name": "huge", "text": "Write", "prompt_tokens": 10 ** 9}])
+    with pytest.raises(SystemExit, match=r"opener 'huge'.*prompt_tokens.*max_position_embeddings 512"):
+        synth(model_dir, tmp_path / "o.jsonl", 3, "--openers", ops)
+    with pytest.raises(SystemExit, match="--max-new-tokens 4,000.*max_position_embeddings 512"):
+        syn.main(["--model", str(model_dir), "--num", "3", "--out", str(tmp_path / "o.jsonl"),
+                  "--max-new-tokens", "4000"])
