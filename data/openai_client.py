@@ -118,17 +118,17 @@ def backoff_s(attempt: int) -> float:
     return min(RETRY_BACKOFF_S * 2 ** attempt, RETRY_BACKOFF_MAX_S)
 
 
-def with_retries(fn, tries: int, what: str, log=None):
-    """fn() with up to `tries` tries on Transient, sleeping backoff_s between and printing each retry on one line;
-    Rejected and the last Transient propagate."""
+def with_retries(fn, tries: int, what: str, log=None, retry_on=(Transient,)):
+    """fn() with up to `tries` tries on `retry_on` errors, sleeping backoff_s between and printing each retry on one
+    line; anything else (Rejected) and the last try's error propagate."""
     for attempt in range(tries):
         try:
             return fn()
-        except Transient as e:
+        except retry_on as e:
             if attempt == tries - 1:
                 raise
             wait = backoff_s(attempt)
-            print(f"openai_client: {what}: {e}; retry {attempt + 2}/{tries} in {wait:g} s", file=log or sys.stderr,
+            print(f"{what}: {e}; retry {attempt + 2}/{tries} in {wait:g} s", file=log or sys.stderr,
                   flush=True)
             time.sleep(wait)
 
@@ -231,7 +231,7 @@ class Endpoint:
         """Before any row: the model name (the one served, or `served_model`, which must be among them), its
         context length, a one-token chat request (and a raw completion with `completions`). Rejected with what to
         fix; Transient after the tries when the server does not answer."""
-        models = with_retries(self.list_models, self.tries, f"{self.url}/models")
+        models = with_retries(self.list_models, self.tries, f"openai_client: {self.url}/models")
         names = [m["id"] for m in models]
         if served_model is None:
             if len(names) != 1:
@@ -248,12 +248,12 @@ class Endpoint:
         try:
             url = f"{self.url}/chat/completions"
             body = {"model": self.model, **chat_request(PROBE_MESSAGES, 1, thinking=thinking)[1]}
-            reply = with_retries(lambda: request_json(url, body, self.timeout), self.tries, url)
+            reply = with_retries(lambda: request_json(url, body, self.timeout), self.tries, f"openai_client: {url}")
             self.prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
             choices_of(reply, url, chat=True)
             if completions:
                 url = f"{self.url}/completions"
-                with_retries(lambda: self.complete("Hi", 1), self.tries, url)
+                with_retries(lambda: self.complete("Hi", 1), self.tries, f"openai_client: {url}")
         except Rejected as e:
             what = "a one-token chat request" if url.endswith("chat/completions") else \
                 "a one-token raw completion"
@@ -297,7 +297,7 @@ class Pool:
 
     def healthy(self, e: Endpoint) -> bool:
         try:
-            with_retries(e.list_models, self.tries, f"{e.url}/models (health check)", self.log)
+            with_retries(e.list_models, self.tries, f"openai_client: {e.url}/models (health check)", self.log)
             return True
         except (Transient, Rejected):
             return False
