@@ -1,9 +1,11 @@
 """Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields), model.safetensors with bare
 keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (docs/ALGORITHM.md, section 4), and the
 modeling code for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`:
-modeling_dflash.py with this project's drafter.py and attention.py beside it (REMOTE_CODE)."""
+modeling_dflash.py with this project's drafter.py and attention.py beside it (REMOTE_CODE); and a README.md model card
+with what the drafter was trained for and the commands that serve it (model_card)."""
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.drafter import Drafter, DrafterConfig
+from model.target import HUB_ID
 
 MODEL_DIR = Path(__file__).resolve().parent
 REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py")   # copied into every export, as they are
@@ -56,11 +59,15 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None) -> Path:
-    """Write config.json, model.safetensors and the modeling code (REMOTE_CODE) to out_dir atomically (tmp folder,
-    then os.replace). dtype: the weights' on the way out; bf16 by default, what serving runs next to a bf16 target
-    (the trainer's fp32 master weights stay in its state.pt). state: the whole state dict to write instead of
-    drafter.state_dict() (a sharded drafter's, gathered: checkpoint.full_state)."""
+def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, *, target=None,
+                   target_fingerprint=None, step=None, data=None, evaluation=None) -> Path:
+    """Write config.json, model.safetensors, the modeling code (REMOTE_CODE) and README.md to out_dir atomically (tmp
+    folder, then os.replace). dtype: the weights' on the way out; bf16 by default, what serving runs next to a bf16
+    target (the trainer's fp32 master weights stay in its state.pt). state: the whole state dict to write instead of
+    drafter.state_dict() (a sharded drafter's, gathered: checkpoint.full_state). The rest only feeds the model card
+    (model_card), each optional: target (its Hub id or folder), target_fingerprint (checkpoint.target_fingerprint),
+    step (optimizer steps trained), data (a dict summarising the data, e.g. data.loader.Data.fingerprint()),
+    evaluation (eval_dflash.evaluate's result at this step: tau, tau_by_category, lossless, prompts)."""
     out = Path(out_dir)
     state = drafter.state_dict() if state is None else state
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
@@ -72,6 +79,8 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None) 
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for name in REMOTE_CODE:
         shutil.copyfile(MODEL_DIR / name, tmp / name)
+    card = model_card(drafter.config, dtype, target, target_fingerprint, step, data, evaluation)
+    (tmp / "README.md").write_text(card)
     # os.replace cannot overwrite a non-empty folder: move the old one aside first, drop it after the swap
     old = out.with_name(f"{out.name}.old{os.getpid()}")
     if out.exists():
@@ -79,6 +88,105 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None) 
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+# ---------------------------------------------------------------------------
+# The model card
+
+HUB_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")   # a Hugging Face cache folder
+
+
+def target_name(target) -> str | None:
+    """The name to serve the target by: a Hugging Face cache snapshot folder as its Hub id (org/name), anything else
+    as given."""
+    if target is None:
+        return None
+    m = HUB_SNAPSHOT.search(str(target))
+    return f"{m[1]}/{m[2]}" if m else str(target)
+
+
+def _fmt(x) -> str:
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+
+def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, step=None, data=None,
+               evaluation=None) -> str:
+    """README.md of an export: what the drafter reads and was trained on, tau if measured, how to serve it."""
+    name = target_name(target)
+    tgt = name or "TARGET"                 # the serving commands' target: a Hub id or the folder given
+    B = cfg.block_size
+    n_sliding = cfg.layer_types.count("sliding_attention")
+    rows = [("target", f"`{name}`" if name else "not recorded (pass target= to export_drafter)")]
+    for k in ("config_sha256", "weights_sha256"):
+        if target_fingerprint and target_fingerprint.get(k):
+            rows.append((f"target {k.replace('_', ' ')}", f"`{target_fingerprint[k]}`"))
+    rows += [("block size", f"{B} (the anchor + {B - 1} drafted tokens per step)"),
+             ("draft layers", f"{cfg.num_hidden_layers}" + (f" ({n_sliding} sliding, window {cfg.sliding_window})"
+                                                             if n_sliding else "")),
+             ("tapped target layers", f"{list(cfg.target_layer_ids)} of {cfg.num_target_layers} "
+                                      f"(decoder layer l = HF hidden_states[l + 1])"),
+             ("mask token id", str(cfg.mask_token_id)),
+             ("weights", f"model.safetensors, {_DTYPE_NAMES[dtype]}")]
+    if step is not None:
+        rows.append(("training steps", str(step)))
+    for k, v in (data or {}).items():
+        rows.append((f"data {k}", _fmt(v)))
+    lines = []
+    if name and HUB_ID.fullmatch(name):
+        lines += ["---", f"base_model: {name}", "library_name: transformers",
+                  "tags:", "- dflash", "- speculative-decoding", "---", ""]
+    lines += [f"# DFlash drafter for {name or 'its target'}", "",
+              "A DFlash block-diffusion drafter for speculative decoding: from the target's hidden states it drafts "
+              f"{B - 1} tokens in one forward; the target verifies them, so the output is the target's own. It has no "
+              "embedding or lm_head: it uses the target's, and it serves only the target it was trained on.", "",
+              "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+    lines += ["## Measured at export", ""]
+    if evaluation and evaluation.get("tau") is not None:
+        e = evaluation
+        lossless = {True: ", lossless", False: ", NOT lossless (see the evaluation log)"}.get(e.get("lossless"), "")
+        prompts = f" on {e['prompts']} prompts" if e.get("prompts") else ""
+        lines += [f"tau (tokens committed per verify step, greedy block verification) = **{_fmt(float(e['tau']))}**"
+                  f"{prompts}{lossless} (eval_dflash.py).", ""]
+        by_cat = e.get("tau_by_category") or {}
+        if by_cat:
+            lines += ["| category | tau |", "|---|---|"] + [f"| {c} | {_fmt(t)} |" for c, t in by_cat.items()] + [""]
+    else:
+        lines += ["No evaluation ran for this export; measure tau with "
+                  "`python eval_dflash.py --target TARGET --drafter THIS_FOLDER --prompts PROMPTS.jsonl`.", ""]
+    lines += ["## Serve it", "",
+              "`DRAFTER` is this folder (or its Hub id once uploaded).", "",
+              "SGLang (`--speculative-num-draft-tokens` is the block size):", "", "```bash",
+              f"python -m sglang.launch_server --model-path {tgt} \\",
+              "    --speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER \\",
+              f"    --speculative-num-draft-tokens {B} --trust-remote-code", "```", "",
+              "vLLM (`num_speculative_tokens` is the block size - 1, the drafted tokens):", "", "```bash",
+              f"vllm serve {tgt} \\",
+              f"    --speculative-config '{{\"method\": \"dflash\", \"model\": \"DRAFTER\", "
+              f"\"num_speculative_tokens\": {B - 1}}}'", "```", "",
+              "Transformers (this folder's own modeling_dflash.py; one prompt at a time):", "", "```python",
+              "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
+              "",
+              'draft = AutoModel.from_pretrained("DRAFTER", trust_remote_code=True, dtype="auto", '
+              'device_map="cuda:0").eval()',
+              f'target = AutoModelForCausalLM.from_pretrained("{tgt}", dtype="auto", device_map="cuda:0").eval()',
+              f'tokenizer = AutoTokenizer.from_pretrained("{tgt}")',
+              'messages = [{"role": "user", "content": "How many positive whole-number divisors does 196 have?"}]',
+              'input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",',
+              '                                          return_dict=True)["input_ids"].to(draft.device)',
+              "output = draft.spec_generate(input_ids=input_ids, max_new_tokens=2048, temperature=0.0, target=target,",
+              "                             stop_token_ids=[tokenizer.eos_token_id])",
+              "print(tokenizer.decode(output[0], skip_special_tokens=False))", "```", "",
+              "## What was checked", "",
+              "- Verified by this project's tests on a tiny target (CPU): the Transformers quick start above "
+              "(spec_generate returns exactly the target's greedy `generate` output), and that config.json carries "
+              "the keys SGLang's and vLLM's DFlash loaders read, with the types they check.",
+              "- Not run here: SGLang and vLLM themselves. Their flags are as documented in z-lab/dflash's README "
+              "(SGLang `--speculative-algorithm DFLASH --speculative-draft-model-path`, "
+              "`--speculative-num-draft-tokens` = block size; vLLM `--speculative-config` with "
+              "`\"method\": \"dflash\"` and `num_speculative_tokens` = block size - 1). "
+              "Older SGLang builds read only `dflash_config.mask_token` (a string, default "
+              "`<|MASK|>`), not `mask_token_id`; use one that reads `dflash_config.mask_token_id`.", ""]
+    return "\n".join(lines)
 
 
 def load_drafter(path, device="cpu", dtype=None) -> Drafter:

@@ -2,6 +2,7 @@
 AutoModel (trust_remote_code), SGLang, vLLM and vLLM's speculators converter read it."""
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -71,8 +72,8 @@ def test_export_loads_with_automodel_trust_remote_code(build_drafter, tiny_qwen3
     from model.objective import pack
     d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4, sliding_window_layers=1, sliding_window=16)
     out = export_drafter(d, tmp_path / "drafter")
-    assert sorted(p.name for p in out.iterdir()) == ["attention.py", "config.json", "drafter.py", "model.safetensors",
-                                                     "modeling_dflash.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "attention.py", "config.json", "drafter.py",
+                                                     "model.safetensors", "modeling_dflash.py"]
     m = AutoModel.from_pretrained(out, trust_remote_code=True, dtype="auto", local_files_only=True).eval()
     assert type(m).__name__ == "DFlashDraftModel" and {p.dtype for p in m.parameters()} == {torch.bfloat16}
     ours = load_drafter(out)
@@ -150,3 +151,141 @@ def test_export_reads_as_the_sglang_and_vllm_loaders_read_it(build_drafter, tiny
     rest = {k: v for k, v in raw.items()
             if k not in {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"}}
     assert Qwen3Config(**rest).num_hidden_layers == L and isinstance(rest["vocab_size"], int)
+
+
+# ---------------------------------------------------------------------------
+# z-lab's Transformers quick start on our export: draft.spec_generate(input_ids=..., target=target, ...)
+
+def greedy_reference(target, input_ids, max_new_tokens, stop=None):
+    """transformers' own greedy generate, cut after the first stop token (what spec_generate must return)."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen)
+
+
+def overfit(drafter, target, ids, prompt_len, steps=200, lr=3e-3):
+    """Train the drafter on one sequence (the target's greedy output after prompt_len), every completion position an
+    anchor, as training does: the block [ids[p], MASK, ...] at positions p.. sees the target's features before p."""
+    cfg, L = drafter.config, len(ids)
+    B, V = cfg.block_size, target.config.vocab_size
+    with torch.no_grad():
+        hs = target(ids[None], output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[l + 1][0] for l in cfg.target_layer_ids], -1)                     # [L, K*H]
+        anchors = torch.arange(prompt_len, L - 1)                                               # [N]
+        pos = anchors[:, None] + torch.arange(B)                                                # [N, B]
+        block = torch.where(pos == anchors[:, None], ids[anchors][:, None], cfg.mask_token_id)
+        emb = target.get_input_embeddings()(block.flatten())                                    # [N*B, H]
+        labels, valid = ids[pos.clamp(max=L - 1)][:, 1:], (pos < L)[:, 1:]                     # [N, B-1]
+    zeros = torch.zeros(L, dtype=torch.long)
+    attn = drafter.attn_spec(anchors, zeros[: len(anchors)], zeros)
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        h = drafter(feats, torch.arange(L), emb, pos.flatten(), attn)                           # [N*B, H]
+        logits = target.get_output_embeddings()(h).view(len(anchors), B, V)[:, 1:]             # [N, B-1, V]
+        loss = torch.nn.functional.cross_entropy(logits[valid], labels[valid])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter
+
+
+def test_spec_generate_equals_target_greedy(build_drafter, tiny_qwen3_dir, tmp_path):
+    """The exported folder's own spec_generate (AutoModel, trust_remote_code) returns exactly the target's greedy
+    output, prompt included, for an untrained (bf16) and a trained (fp32) drafter, with and without a stop token;
+    the trained one commits several tokens per step, so the accept / crop / commit path runs, not only a=0."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    input_ids = torch.randint(0, 127, (1, 12), generator=torch.Generator().manual_seed(0))
+    N = 40
+    want = greedy_reference(target, input_ids, N)
+    assert want.shape == (1, 12 + N)
+    gen = want[0, 12:].tolist()
+    stop = next(t for i, t in enumerate(gen) if i >= 8 and t not in gen[:i])   # first seen at index i >= 8
+    want_stop = greedy_reference(target, input_ids, N, stop=[stop])
+    assert want_stop.shape[1] == 12 + gen.index(stop) + 1 and want_stop[0, -1] == stop
+
+    untrained = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
+    trained = overfit(build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4, seed=1), target, want[0], 12)
+    for name, d, dtype in [("untrained", untrained, torch.bfloat16), ("trained", trained, torch.float32)]:
+        draft = AutoModel.from_pretrained(export_drafter(d, tmp_path / name, dtype=dtype), trust_remote_code=True,
+                                          dtype="auto", local_files_only=True).eval()
+        got = draft.spec_generate(input_ids=input_ids, max_new_tokens=N, temperature=0.0, target=target,
+                                  stop_token_ids=None, return_stats=True)
+        assert torch.equal(got.output_ids, want), name
+        assert sum(got.acceptance_lengths) == N - 1 and got.num_output_tokens == N   # the first token: the prefill
+        tau = N / (len(got.acceptance_lengths) + 1)
+        assert (tau > 2.0) if name == "trained" else (tau < 1.5), (name, got.acceptance_lengths)
+        out = draft.spec_generate(input_ids=input_ids, max_new_tokens=N, temperature=0.0, target=target,
+                                  stop_token_ids=[stop])
+        assert torch.equal(out, want_stop), name
+        short = draft.spec_generate(input_ids=input_ids, max_new_tokens=7, temperature=0.0, target=target,
+                                    stop_token_ids=[stop])
+        assert torch.equal(short, want[:, : 12 + 7]), name                   # max_new_tokens caps a step
+
+
+def test_spec_generate_sampling_is_seeded_and_checks_its_input(build_drafter, tiny_qwen3_dir, tmp_path):
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    draft = AutoModel.from_pretrained(export_drafter(build_drafter(tiny_qwen3_dir), tmp_path / "d"),
+                                      trust_remote_code=True, dtype="auto", local_files_only=True).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 71]])
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(draft.spec_generate(input_ids=ids, max_new_tokens=30, temperature=1.0, target=target,
+                                        stop_token_ids=None))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert runs[0].shape == (1, 35) and torch.equal(runs[0][:, :5], ids)
+    with pytest.raises(ValueError, match=r"\[1, P\]"):
+        draft.spec_generate(input_ids=ids.repeat(2, 1), max_new_tokens=4, temperature=0.0, target=target,
+                            stop_token_ids=None)
+
+
+# ---------------------------------------------------------------------------
+# The model card every export carries
+
+def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path):
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=8)
+    bare = (export_drafter(d, tmp_path / "bare") / "README.md").read_text()
+    assert "not recorded" in bare and "No evaluation ran" in bare and "base_model" not in bare
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / ("a" * 40)
+    fp = {"path": str(snapshot), "config_sha256": "c" * 64, "weights_sha256": "w" * 64}
+    ev = {"tau": 3.25, "lossless": True, "prompts": 80, "tau_by_category": {"math": 4.5, "chat": 2.0}}
+    card = (export_drafter(d, tmp_path / "full", target=snapshot, target_fingerprint=fp, step=1200,
+                           data={"rows": 5000, "content_hash": "cafe"}, evaluation=ev) / "README.md").read_text()
+    assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")          # the Hub's model-card metadata
+    cfg = d.config
+    for want in ["# DFlash drafter for Qwen/Qwen3-8B", "c" * 64, "w" * 64, "| block size | 8 ",
+                 f"| tapped target layers | {cfg.target_layer_ids} of 6", f"| mask token id | {cfg.mask_token_id} |",
+                 "| draft layers | 2 |", "| training steps | 1200 |", "| data rows | 5000 |",
+                 "**3.25** on 80 prompts, lossless",
+                 "| math | 4.50 |", "| chat | 2.00 |",
+                 "--model-path Qwen/Qwen3-8B", "--speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER",
+                 "--speculative-num-draft-tokens 8",
+                 """vllm serve Qwen/Qwen3-8B \\\n    --speculative-config '{"method": "dflash", "model": "DRAFTER", """
+                 """"num_speculative_tokens": 7}'""",
+                 "draft.spec_generate(input_ids=input_ids", "Not run here"]:
+        assert want in card, want
+    # a local target folder is named as given, with no Hub metadata
+    local = (export_drafter(d, tmp_path / "local", target="/models/my-target") / "README.md").read_text()
+    assert "base_model" not in local and "--model-path /models/my-target" in local
+
+
+def test_model_card_quick_start_runs(build_drafter, tmp_path):
+    """The card's Transformers snippet, run as written (the folders, CPU and a short answer swapped in), gives the
+    target's greedy answer: a tiny Qwen3 with the real Qwen3 tokenizer and chat template as the target."""
+    import re
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from server import tiny_chat_model
+    target_dir = tiny_chat_model(tmp_path / "target")
+    out = export_drafter(build_drafter(target_dir, num_layers=1, block_size=4), tmp_path / "drafter",
+                         target=target_dir)
+    card = (out / "README.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", card, re.S)
+    code = code.replace('"DRAFTER"', repr(str(out))).replace('"cuda:0"', '"cpu"').replace("2048", "12")
+    ns = {}
+    exec(code, ns)
+    target, tok = AutoModelForCausalLM.from_pretrained(target_dir).eval(), AutoTokenizer.from_pretrained(target_dir)
+    want = target.generate(input_ids=ns["input_ids"], attention_mask=torch.ones_like(ns["input_ids"]),
+                           max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    assert ns["input_ids"].shape[1] > 10 and torch.equal(ns["output"], want)

@@ -1,4 +1,4 @@
-"""Target features vs HF hidden states; MASK token choice; configs of real models."""
+"""Target features vs HF hidden states; MASK token choice; configs of real models; a Hub id from the local cache."""
 import json
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from conftest import SMOLLM2_DIR
 from model.drafter import DrafterConfig
-from model.target import Target, check_mask_token_id, default_mask_token_id
+from model.target import Target, check_mask_token_id, default_mask_token_id, resolve_model_path
 
 
 @pytest.mark.parametrize("target,layer_ids", [("tiny_qwen3_dir", [0, 2, 3]), ("tiny_llama_dir", [0, 2, 3]),
@@ -91,3 +91,50 @@ def test_config_with_top_level_rope_theta():
                          max_position_embeddings=512, num_hidden_layers=6, vocab_size=128)
     cfg = DrafterConfig.from_target(hf, 2, 4, 127)
     assert cfg.rope_theta == 123456.0 and cfg.rope_scaling is None
+
+
+# ---------------------------------------------------------------------------
+# A Hub id resolved from the local Hugging Face cache, never the network
+
+def fake_hub_cache(root, repo="Qwen/Qwen3-8B", commit="0123456789abcdef0123456789abcdef01234567", files=("config.json",)):
+    """The hub cache layout huggingface_hub writes: models--org--name/refs/main holds the commit, snapshots/<commit>/
+    the files. -> the snapshot folder."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in files:
+        (snap / f).write_text("{}")
+    return snap
+
+
+def test_resolve_model_path_local_folder_and_hub_cache(tmp_path, monkeypatch):
+    local = tmp_path / "local"
+    local.mkdir()
+    assert resolve_model_path(local) == local and resolve_model_path(str(local)) == local
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = fake_hub_cache(tmp_path / "hub")
+    assert resolve_model_path("Qwen/Qwen3-8B") == snap
+    # HF_HOME/hub when HF_HUB_CACHE is unset
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    snap2 = fake_hub_cache(tmp_path / "home" / "hub", commit="f" * 40)
+    assert resolve_model_path("Qwen/Qwen3-8B") == snap2
+
+
+def test_resolve_model_path_errors_name_the_cache_and_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model_path("Qwen/Qwen3-8B")
+    msg = str(e.value)
+    assert str(tmp_path / "hub") in msg and "hf download Qwen/Qwen3-8B" in msg and "local folder" in msg
+    fake_hub_cache(tmp_path / "hub", repo="org/partial", files=("tokenizer.json",))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_path("org/partial")
+    with pytest.raises(FileNotFoundError, match="not a Hub id"):
+        resolve_model_path(str(tmp_path / "missing" / "folder"))
+    (tmp_path / "file.bin").write_text("x")
+    with pytest.raises(FileNotFoundError, match="is a file"):
+        resolve_model_path(tmp_path / "file.bin")
