@@ -271,6 +271,7 @@ def main(argv=None):
         pass
     finally:
         httpd.server_close()
+        gen.lock.acquire()   # and never released: a handler thread still inside torch at exit aborts the process
     print("serve_openai: stopped", flush=True)
 
 
