@@ -2,7 +2,7 @@
 
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local (data.engine)
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --endpoint http://127.0.0.1:30000 \
-        --served-model NAME --concurrency 32                                                  # SGLang / vLLM server
+        [http://10.0.0.2:30000 ...] [--served-model NAME] --concurrency 32                    # SGLang / vLLM servers
 
 Input: what data.prepare reads (.jsonl / .json / .parquet, .gz too, or a `datasets` folder), rows in the OpenAI
 `messages` or ShareGPT `conversations` format, parsed by data.chat.normalize_messages, so regeneration accepts and
@@ -16,6 +16,17 @@ Local generation runs data.engine (continuous batching, CUDA graphs; `--batch-si
 free GPU memory, `--max-len` tokens each); `--engine hf` runs transformers `generate` instead, the slow reference.
 Both write the same greedy rows. Sampled rows (`--temperature` > 0) from the engine depend only on `--seed`, the
 row id and the turn, so a resumed run samples what an uninterrupted one would have.
+
+Server generation (data/openai_client.py) sends one /v1/chat/completions request per turn, --concurrency per
+endpoint, the rows shared by all the endpoints given. Before any row each server is probed: the model name (the
+one /v1/models lists, or --served-model, which must be among them), and a one-token chat request. A refused
+request (HTTP 4xx: a wrong model name, a template error) stops the run with exit status 2 and what to fix; it is
+never retried. Connection errors, timeouts, HTTP 5xx and 429 are retried (--retries tries, backoff doubling from
+0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors file below), a
+400 for one request (a prompt longer than the context) at once. A server that stops answering is dropped and its
+requests go to the others; with none left the run stops (exit status 1) and the rows in flight are not recorded
+as failed. A sampled request carries the API's `seed` from --seed, the row id and the turn: a server that honours
+it answers a resumed row as an uninterrupted run would (vLLM and SGLang only up to batch invariance).
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
 drops a torn last line (that prompt is redone); an --output whose lines parse but are not this tool's rows (a prompt

@@ -5,6 +5,8 @@
         [--max-new-tokens 384] [--prompt-tokens 128]
         [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--attention sdpa|matmul]
         [--compile-sampler] [--device auto] [--dtype auto]
+    python -m data.synthesize --endpoint URL [URL ...] --tokenizer DIR --num N --out FILE.jsonl [--served-model NAME]
+        [--concurrency 16] [--retries 3] [--timeout 600] [the settings above but the engine's]
 
 An instruction-tuned model given only its template's opening of a user turn (`<|im_start|>user\\n` after the default
 system turn; found by rendering a sentinel user message and taking the text before it) writes a plausible user
@@ -58,8 +60,28 @@ the holder), and a second run on the same --out is refused with the holder's pid
 A stream that has tried ATTEMPTS_PER_ROW (--attempts-per-row) candidates per row it must supply stops there, short,
 with the reasons printed: more attempts would not help a model whose prompts the filters keep rejecting.
 
-Exit status: 0 when --out holds --num rows; 1 when it holds fewer (a SIGTERM or Ctrl-C, a stream stopped short), with
-the command that goes on from there; 2 for a bad argument.
+Through servers (--endpoint, data/openai_client.py; SGLang, vLLM, tools/serve_openai.py): the same candidates,
+filters, ordered writer, stats and resume; only the generations go elsewhere (ServerEngine). A self-written user
+turn is a raw /v1/completions request of the rendered template opening (and opener) with add_special_tokens false
+and the stop ids as `stop_token_ids`; an answer is a /v1/chat/completions request of the row's messages. The
+template opening is rendered locally, so the served model's tokenizer and chat template must be here: --tokenizer
+DIR (tokenizer.json, tokenizer_config.json, the template), or --model DIR (its weights are then fingerprinted
+as the rows' model, but nothing is loaded). The probe, before any row, reads the model name from /v1/models (or
+checks --served-model), its context (max_model_len, which must hold the conversation's max_len), sends a one-token
+chat and a one-token completion, and warns when the server renders a chat to another token count than the local
+template. OUT.stats.json records the served model names in place of the weights; a resume must see the same, and
+local and server runs do not mix in one --out. A sampled request carries the API's `seed` from --seed and the
+candidate's key (stream, index, turn): a server that honours seeds repeats a candidate on resume, so the rows are
+those of an uninterrupted run (tools/serve_openai.py, one request at a time, does). vLLM and SGLang honour the seed
+but are not batch-invariant: the same request batched with others may sample other text, so the rows after a cut
+may differ from an uninterrupted run's; the rows written stay and no id is written twice either way. --concurrency
+requests per endpoint are in flight (the window is WINDOW_PER_SLOT of them per request slot). A request that fails
+after --retries tries while its server answers (or a 400 for that one request) rejects its candidate as
+server_error, with the error in the rejected row; HTTP 4xx from the probe or for every request stops the run with
+exit status 2; servers that all stop answering stop it with exit status 1, and the rerun goes on from there.
+
+Exit status: 0 when --out holds --num rows; 1 when it holds fewer (a SIGTERM or Ctrl-C, a stream stopped short, the
+servers gone), with the command that goes on from there; 2 for a bad argument or a request the server refuses.
 """
 import argparse
 import hashlib

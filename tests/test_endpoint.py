@@ -147,6 +147,14 @@ def test_synthesize_wrong_model_name_and_no_tokenizer(tmp_path, url, model_dir, 
     with pytest.raises(SystemExit) as e:
         syn.main(["--endpoint", url, "--num", 2, "--out", out])
     assert e.value.code == 2 and "--tokenizer DIR" in capsys.readouterr().err
+    # a local tokenizer whose template is not the server's: the probe says so (the rows would not match)
+    args = syn.parse_args([str(a) for a in synth_args(url, model_dir, out, 4)])
+    tok = syn.load_tokenizer(model_dir)
+    syn.connect(args, tok)
+    assert "warning" not in capsys.readouterr().err
+    tok.chat_template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    syn.connect(args, tok)
+    assert "renders a one-message chat to" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------
