@@ -29,7 +29,6 @@ import hashlib
 import http.client
 import json
 import queue
-import socket
 import sys
 import threading
 import time
@@ -51,11 +50,13 @@ class Choice(NamedTuple):
 
 
 class Rejected(Exception):
-    """The server refused a request (HTTP 4xx): the request must change, retrying cannot help."""
+    """The server refused a request (HTTP 4xx; status None: the probe found no model to ask for): the request must
+    change, retrying cannot help."""
 
     def __init__(self, url, status, message, fix=""):
         self.url, self.status, self.message = url, status, message
-        super().__init__(f"{url} answered HTTP {status}: {message}" + (f". {fix}" if fix else ""))
+        said = f"{url} answered HTTP {status}" if status else url
+        super().__init__(f"{said}: {message}" + (f". {fix}" if fix else ""))
 
 
 class Transient(Exception):
@@ -235,11 +236,11 @@ class Endpoint:
         names = [m["id"] for m in models]
         if served_model is None:
             if len(names) != 1:
-                raise Rejected(f"{self.url}/models", 200, f"the server serves {len(names)} models ({names})",
+                raise Rejected(f"{self.url}/models", None, f"the server serves {len(names)} models ({names})",
                                "Choose one with --served-model NAME")
             served_model = names[0]
         elif served_model not in names:
-            raise Rejected(f"{self.url}/models", 200, f"it does not serve a model named {served_model!r}; it serves "
+            raise Rejected(f"{self.url}/models", None, f"it does not serve a model named {served_model!r}; it serves "
                            f"{names}", "Give one of these as --served-model, or leave --served-model out when the "
                            "server serves one model")
         self.model = served_model

@@ -416,9 +416,10 @@ class ServerEngine:
     """data.engine.Engine's run() over OpenAI-compatible servers (data.openai_client.Pool). A self-written user turn
     is a raw completion (/v1/completions) of the text the local engine gets as ids (the template's rendered opening
     of a user turn, as Magpie sends it; `add_special_tokens` false: the text holds the template's own), stopped at
-    the same stop ids (vLLM's and SGLang's `stop_token_ids`, besides the server's eos); an answer is a chat completion (/v1/chat/completions) of the row's messages, which the server
-    renders with its own template. A sampled request carries the API's `seed`, from --seed and the request's key:
-    the same candidate asks with the same seed in every run."""
+    the same stop ids (vLLM's and SGLang's `stop_token_ids`, besides the server's eos); an answer is a chat
+    completion (/v1/chat/completions) of the row's messages, which the server renders with its own template. A
+    sampled request carries the API's `seed`, from --seed and the request's key: the same candidate asks with the
+    same seed in every run."""
 
     def __init__(self, pool: oc.Pool, seed: int):
         self.pool, self.seed = pool, seed

@@ -152,7 +152,8 @@ def test_synthesize_wrong_model_name_and_no_tokenizer(tmp_path, url, model_dir, 
     tok = syn.load_tokenizer(model_dir)
     syn.connect(args, tok)
     assert "warning" not in capsys.readouterr().err
-    tok.chat_template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    tok.chat_template = ("{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+                         "{% if add_generation_prompt %}A:{% endif %}")
     syn.connect(args, tok)
     assert "renders a one-message chat to" in capsys.readouterr().err
 

@@ -163,6 +163,17 @@ def test_probe_chooses_the_model(stubs):
         oc.Endpoint(one.url).probe()
 
 
+def test_chat_and_complete_of_one_endpoint(stubs):
+    s = stubs()
+    e = oc.Endpoint(s.url)
+    e.probe()
+    assert e.chat([{"role": "user", "content": "q"}], 4, temperature=0.5, seed=7) == oc.Choice("q@s", "stop", 3)
+    assert s.seen[-1] == ("/v1/chat/completions", {"model": "tgt", "messages": [{"role": "user", "content": "q"}],
+                                                   "max_tokens": 4, "temperature": 0.5, "seed": 7})
+    assert e.complete("p", 4, n=2) == [oc.Choice("p@s", "stop", None)] * 2   # usage is per request, not per choice
+    assert oc.api_seed(1, 2) == oc.api_seed(1, 2) != oc.api_seed(2, 2) and 0 <= oc.api_seed(1, 2) < 2 ** 31
+
+
 def test_probe_of_a_dead_server_names_it(capsys):
     url = dead_url()
     pool = oc.Pool([url], tries=2)

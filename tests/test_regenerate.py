@@ -121,9 +121,9 @@ def answer(text: str) -> str:
 
 class FakeServer:
     """/v1/models listing one model, "tgt"; /v1/chat/completions answering `answer(last user content)`. Requests are
-    counted per conversation (its first user turn), the probe's apart (`probes`); `fail_once` prompts get one HTTP 500 first, `fail_always` prompts only 500s; "long" prompts end
-    with finish_reason "length"; `reasoning` maps a last user content to (field, text) sent beside the answer, as a
-    server with a reasoning parser does."""
+    counted per conversation (its first user turn), the probe's apart (`probes`); `fail_once` prompts get one HTTP
+    500 first, `fail_always` prompts only 500s; "long" prompts end with finish_reason "length"; `reasoning` maps a
+    last user content to (field, text) sent beside the answer, as a server with a reasoning parser does."""
 
     def __init__(self):
         self.requests, self.bodies, self.probes = Counter(), [], []
@@ -302,6 +302,7 @@ def test_http_thinking_switch(tmp_path, server, thinking, sent):
     run(inp, out, server, "--thinking", thinking, "--served-model", "tgt", "--max-new-tokens", "7")
     (body,) = server.bodies
     assert body.get("chat_template_kwargs") == sent
+    assert [p.get("chat_template_kwargs") for p in server.probes] == [sent]  # one probe, with the same template
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("tgt", 7, 0.0)
 
 
