@@ -147,6 +147,20 @@ def exit_rejected(tool: str, err: Rejected):
     raise SystemExit(2)
 
 
+def connect(tool: str, args, completions=False, thinking=None) -> "Pool":
+    """The tools' --endpoint, --served-model, --concurrency, --timeout and --retries -> a Pool, probed before any
+    row. A refused probe (a wrong --served-model, a model without a chat template) exits with status 2 and the fix;
+    a server that does not answer is SystemExit naming it."""
+    pool = Pool(args.endpoint, args.served_model, args.concurrency, args.timeout, args.retries)
+    try:
+        pool.probe(completions, thinking)
+    except Rejected as e:
+        exit_rejected(tool, e)
+    except EndpointsDown as e:
+        raise SystemExit(f"{tool}: {e}")
+    return pool
+
+
 def choices_of(reply: dict, url: str, chat: bool) -> list[Choice]:
     """The choices of a completion reply. A chat message's reasoning (`reasoning_content` from SGLang and vLLM,
     `reasoning` from newer vLLM, both from a server that runs a reasoning parser) is put back in front of the answer

@@ -392,19 +392,6 @@ def main(argv=None) -> dict:
         return run(args)
 
 
-def connect(args, thinking) -> oc.Pool:
-    """--endpoint: the servers, probed before any row (model name, context length, a one-token chat request).
-    Exit status 2 for a refused probe (a wrong --served-model, a model without a chat template), naming the fix."""
-    pool = oc.Pool(args.endpoint, args.served_model, args.concurrency, args.timeout, args.retries)
-    try:
-        pool.probe(thinking=thinking)
-    except oc.Rejected as e:
-        oc.exit_rejected("regenerate", e)
-    except oc.EndpointsDown as e:
-        raise SystemExit(f"regenerate: {e}")
-    return pool
-
-
 def run(args) -> dict:
     thinking = {"on": True, "off": False, "auto": None}[args.thinking]
     prompts, skipped, dupes = read_prompts(args.input, args.turns, args.limit)
@@ -422,7 +409,7 @@ def run(args) -> dict:
         backend = LocalBackend(args.model, args.device, args.dtype, args.max_new_tokens, args.temperature,
                                thinking, args.seed, args.engine, args.batch_size, args.max_len)
     else:
-        backend = connect(args, thinking)
+        backend = oc.connect("regenerate", args, thinking=thinking)
     sink = Sink(args.output)
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     t0 = time.perf_counter()

@@ -440,13 +440,7 @@ def connect(args, tok) -> oc.Pool:
     """--endpoint: the servers, probed (model name, context length, a chat and a raw completion) before any row.
     SystemExit (status 2 for a refused probe) naming what to fix. A template the server renders to another token
     count than --tokenizer's is reported: its answers would follow a conversation other than the rows hold."""
-    pool = oc.Pool(args.endpoint, args.served_model, args.concurrency, args.timeout, args.retries)
-    try:
-        pool.probe(completions=True)
-    except oc.Rejected as e:
-        oc.exit_rejected("synthesize", e)
-    except oc.EndpointsDown as e:
-        raise SystemExit(f"synthesize: {e}")
+    pool = oc.connect("synthesize", args, completions=True)
     local = len(encode(tok, render(tok, oc.PROBE_MESSAGES, add_generation_prompt=True)))
     for e in pool.endpoints:
         if e.prompt_tokens is not None and e.prompt_tokens != local:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from data import openai_client as oc
 from data import regenerate as regen
 from data import synthesize as syn
 from server import serving, tiny_chat_model
+from test_openai_client import dead_url
 
 pytestmark = pytest.mark.job
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,14 +71,6 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
     monkeypatch.setattr(oc, "RETRY_BACKOFF_S", 0.05)
-
-
-def dead_url():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
 
 
 def lines(path: Path) -> list[dict]:
