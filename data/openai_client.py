@@ -28,6 +28,7 @@ it, so a faster server takes more. Threads are daemons: a run that stops does no
 import hashlib
 import http.client
 import json
+import os
 import queue
 import sys
 import threading
@@ -41,6 +42,13 @@ RETRY_BACKOFF_S = 0.5       # sleep before the 2nd try of a request; doubles per
 RETRY_BACKOFF_MAX_S = 8.0   # ... up to this
 BAD_REQUESTS_STOP = 16      # HTTP 400s in a row (no success between) that stop a run: a systematic error, not rows
 PROBE_MESSAGES = [{"role": "user", "content": "Hi"}]   # the probe's one-token chat request
+API_KEY_ENV = "OPENAI_API_KEY"   # sent as `Authorization: Bearer` when set (a server started with --api-key)
+FIXES = {  # HTTP status -> what the user can change
+    401: f"The server wants an API key: set {API_KEY_ENV}",
+    403: f"The server refused the key: check {API_KEY_ENV}",
+    404: "Check the model name (--served-model; GET /v1/models lists the served ones) and the endpoint URL",
+    400: "The request was malformed or too long for the server's context: check --max-new-tokens and the prompts",
+}
 
 
 class Choice(NamedTuple):
@@ -93,14 +101,17 @@ def server_message(body: bytes) -> str:
 def request_json(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
     """GET (body None) or POST JSON -> the decoded reply. Rejected for HTTP 4xx but 429; Transient otherwise."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
         msg = server_message(e.read() or b"")
         if 400 <= e.code < 500 and e.code != 429:
-            raise Rejected(url, e.code, msg) from None
+            raise Rejected(url, e.code, msg, FIXES.get(e.code, "")) from None
         raise Transient(f"{url}: HTTP {e.code}: {msg}") from None
     except urllib.error.URLError as e:   # connection refused, unknown host; a timeout while connecting
         raise Transient(f"{url}: {e.reason}") from None

@@ -23,7 +23,7 @@ class Stub:
     its prompt (a chat's last content, a completion's prompt) to an HTTP status (then an OpenAI error body)."""
 
     def __init__(self, name="s", models=({"id": "tgt", "max_model_len": 256},)):
-        self.name, self.models, self.status, self.seen = name, list(models), {}, []
+        self.name, self.models, self.status, self.seen, self.auth = name, list(models), {}, [], []
         self.lock = threading.Lock()
         stub = self
 
@@ -37,6 +37,7 @@ class Stub:
                 self.wfile.write(data)
 
             def do_GET(self):
+                stub.auth.append(self.headers.get("Authorization"))
                 if stub.status.get("models"):
                     return self.reply(stub.status["models"], {"error": {"message": "no models here"}})
                 self.reply(200, {"object": "list", "data": stub.models})
@@ -113,6 +114,17 @@ def test_error_kinds(stubs):
     # vLLM's error body for an unknown model name: the message is read from its top level
     with pytest.raises(oc.Rejected, match="The model `nope` does not exist"):
         oc.request_json(s.url + "/v1/completions", {"model": "nope", "prompt": "x"})
+
+
+def test_api_key_and_the_fix_for_a_401(stubs, monkeypatch):
+    s = stubs()
+    oc.request_json(s.url + "/v1/models")
+    monkeypatch.setenv(oc.API_KEY_ENV, "sk-test")
+    oc.request_json(s.url + "/v1/models")
+    assert s.auth == [None, "Bearer sk-test"]
+    s.status["models"] = 401
+    with pytest.raises(oc.Rejected, match=f"401: no models here. The server wants an API key: set {oc.API_KEY_ENV}"):
+        oc.request_json(s.url + "/v1/models")
 
 
 def test_with_retries_retries_transient_only(capsys):
