@@ -20,11 +20,13 @@ def fast_backoff(monkeypatch):
 
 class Stub:
     """An OpenAI-shaped server: /v1/models lists `models`; a POST answers "<prompt>@<name>" unless `status` maps
-    its prompt (a chat's last content, a completion's prompt) to an HTTP status (then an OpenAI error body)."""
+    its prompt (a chat's last content, a completion's prompt) to an HTTP status (then an OpenAI error body).
+    `answer(prompt, body)`, when set, gives the text instead (or an HTTP status, an int)."""
 
     def __init__(self, name="s", models=({"id": "tgt", "max_model_len": 256},)):
         self.name, self.models, self.status, self.seen, self.auth = name, list(models), {}, [], []
         self.lock = threading.Lock()
+        self.answer = None
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,9 +53,10 @@ class Stub:
                 if body["model"] not in [m["id"] for m in stub.models]:
                     return self.reply(404, {"object": "error", "message": f"The model `{body['model']}` does not "
                                                                           f"exist.", "code": 404})
+                text = stub.answer(prompt, body) if stub.answer else f"{prompt}@{stub.name}"
+                code = text if isinstance(text, int) else code
                 if code != 200:
                     return self.reply(code, {"error": {"message": f"status {code} for {prompt}"}})
-                text = f"{prompt}@{stub.name}"
                 key = "message" if "messages" in body else "text"
                 choice = {key: {"role": "assistant", "content": text} if key == "message" else text,
                           "finish_reason": "stop"}
@@ -246,3 +249,55 @@ def test_pool_stops_on_a_rejection_that_is_not_a_rows(stubs):
     a.status.update({f"q{i}": 400 for i in range(40)})
     with pytest.raises(oc.Rejected, match=f"{oc.BAD_REQUESTS_STOP} requests in a row"):
         drain(pool, [f"q{i}" for i in range(40)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data.synthesize's server path against a stub: a candidate whose request fails is rejected, in index order
+
+WORDS = ("apple river code stone light cloud music paper glass table window garden number letter planet engine "
+         "forest bridge market silver winter summer ocean castle doctor pencil rocket tunnel violin zebra").split()
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    import lzma
+    import shutil
+    from pathlib import Path
+    fixture = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+    d = tmp_path_factory.mktemp("qwen3_tokenizer")
+    (d / "tokenizer.json").write_bytes(lzma.open(fixture / "tokenizer.json.xz").read())
+    shutil.copy(fixture / "tokenizer_config.json", d)
+    return d
+
+
+def test_synthesize_server_errors_reject_candidates_and_resume(stubs, qwen3_dir, tmp_path):
+    """The stub writes random words seeded by the request's seed and fails (HTTP 500, every try) the user turn of
+    self/2 and the answer of self/4: both are rejected as server_error (self/2's wait for its turn in the opener
+    order does not stall the run), the others kept; a run cut at 5 rows and resumed to 9 writes the files of one
+    run to 9."""
+    from data import synthesize as syn
+    import random as rnd
+    fail = {oc.api_seed(7, syn.sample_key("self", 2, 0)), oc.api_seed(7, syn.sample_key("self", 4, 1))}
+
+    def answer(prompt, body):
+        if body.get("seed") in fail:
+            return 500
+        r = rnd.Random(body.get("seed"))   # (the probe's requests carry none)
+        return " ".join(r.choice(WORDS) for _ in range(9)) + ("?" if "prompt" in body else ".")
+    s = stubs(models=[{"id": "tgt", "max_model_len": 4096}])
+    s.answer = answer
+
+    def run(out, num):
+        return syn.main(["--endpoint", s.url, "--tokenizer", qwen3_dir, "--num", num, "--out", out, "--seed", 7,
+                         "--temperature", 0.5, "--retries", 2, "--concurrency", 2])
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first = run(a, 5)
+    rejected = {r["id"]: r for r in map(json.loads, syn.rejected_path(a).read_text().splitlines())}
+    assert {k: r["rejected"] for k, r in rejected.items()} == {"self/2": "server_error", "self/4": "server_error"}
+    assert "HTTP 500" in rejected["self/2"]["error"] and rejected["self/2"]["messages"] == []
+    assert [m["role"] for m in rejected["self/4"]["messages"]] == ["user"]
+    assert first["kept"] == 5 and first["rejected"]["server_error"] == 2
+    run(a, 9)
+    one = run(b, 9)
+    assert a.read_text().splitlines() == b.read_text().splitlines() and one["kept"] == 9
+    assert [json.loads(x)["id"] for x in syn.rejected_path(a).read_text().splitlines()] == ["self/2", "self/4"]
