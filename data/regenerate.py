@@ -186,8 +186,8 @@ class LocalBackend:
         if engine == "fast":
             try:   # the family first: auto_slots reads config fields other families lack
                 check_family(self.model.config.get_text_config())
-                self.engine = Engine(self.model, max_batch=slots or auto_slots(self.model, max_len), max_len=max_len,
-                                     seed=seed)
+                self.engine = Engine(self.model, max_batch=slots or auto_slots(self.model, max_len),
+                                     max_len=max_len, seed=seed)
             except ValueError as e:  # a model the engine does not run
                 raise SystemExit(f"regenerate: {e}")
         self.hf_tokens = 0
@@ -375,7 +375,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if bool(args.model) == bool(args.endpoint):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
-    for name, ok, want in (("--limit", args.limit >= 0, "0 (all) or more"), ("--retries", args.retries >= 1, "at least 1"),
+    for name, ok, want in (("--limit", args.limit >= 0, "0 (all) or more"),
+                           ("--retries", args.retries >= 1, "at least 1"),
                            ("--batch-size", args.batch_size >= 0, "0 (automatic) or more"),
                            ("--concurrency", args.concurrency >= 1, "at least 1"),
                            ("--max-new-tokens", args.max_new_tokens >= 1, "at least 1"),

@@ -38,7 +38,8 @@ def locked(out: Path, tool: str):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise SystemExit(f"{tool}: {out} is being written by another run ({before or 'holder unknown'}); "
-                             f"nothing was changed. Wait for it to end or stop it, or write to another output") from None
+                             f"nothing was changed. Wait for it to end or stop it, or write to another "
+                             f"output") from None
         held = True
         if before:
             print(f"{tool}: {path} names a run that is gone ({before}); taking it over", file=sys.stderr)

@@ -97,7 +97,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from collections import deque
+from collections import Counter, deque
 
 from data import filters as F
 from data import openai_client as oc
@@ -506,7 +506,7 @@ def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
     was = old["config"]
     if "model_weights" not in was:
         print(f"synthesize: note: {path} predates the weights' fingerprint; the rows are taken as made by the "
-              f"weights of --model (its config.json matches), whose fingerprint is recorded from now on",
+              f"weights of --model (its config.json must still match), whose fingerprint is recorded from now on",
               file=sys.stderr)
         was["model_weights"] = config["model_weights"]
     diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
@@ -629,7 +629,13 @@ def run(args, argv) -> dict:
     pool = connect(args, tok) if args.endpoint else None   # the probe, before anything is written
     config = run_config(args, tok, pool)
     written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
-    for row in read_back(args.out) + read_back(rejected_path(args.out)):
+    back = read_back(args.out) + read_back(rejected_path(args.out))
+    twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
+    if twice:   # two runs wrote at once (before OUT.lock): counting the copies as rows would overshoot --num
+        raise SystemExit(f"synthesize: {args.out} and its rejected file hold {len(twice):,} id(s) more than once (e.g. "
+                         f"{twice[0]}): two runs wrote them at once. Keep the first row of each id in both files, "
+                         f"then run again")
+    for row in back:
         written[stream_of(row)[0]].append(row)
     for rows in written.values():
         rows.sort(key=lambda r: stream_of(r)[1])
@@ -648,9 +654,10 @@ def run(args, argv) -> dict:
             F.count(stats[s], row, reason)
     want = targets(args, {s: stats[s]["kept"] for s in STREAMS})
     if want != targets(args):
-        print(f"synthesize: note: the mix stream already holds {stats['mix']['kept']:,} rows (an earlier run had "
-              f"another --mix-ratio): this run makes only what adds up to --num {args.num:,} (self {want['self']:,}, "
-              f"mix {want['mix']:,})", file=sys.stderr)
+        print(f"synthesize: note: {args.out} holds self {stats['self']['kept']:,}, mix {stats['mix']['kept']:,} rows, "
+              f"one stream more than --mix-ratio {args.mix_ratio:g} gives it (an earlier run had another): this run "
+              f"makes only what adds up to --num {args.num:,} (self {want['self']:,}, mix {want['mix']:,})",
+              file=sys.stderr)
     nxt = {s: stream_of(rows[-1])[1] + 1 if rows else 0 for s, rows in written.items()}
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []

@@ -420,3 +420,13 @@ def test_merge_dedups(smollm2_path, tmp_path):
     assert sa["content_hash"] != s["content_hash"]
     assert sorted(os.listdir(tmp_path / "A")) == ["data-00000-of-00001.arrow", "dataset_info.json", "state.json",
                                                    "stats.json"]  # merging wrote nothing into its inputs
+
+
+def test_merge_names_a_malformed_stats_file(smollm2_path, tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(_good(i)) + "\n" for i in range(3)))
+    prep.prepare([tmp_path / "a.jsonl"], smollm2_path, tmp_path / "A", max_len=64, num_proc=1)
+    for text in ("{not json", "[1, 2]", "\xff"):
+        (tmp_path / "A" / "stats.json").write_text(text, encoding="latin-1")
+        with pytest.raises(SystemExit, match="A/stats.json is not the stats file data.prepare writes.*prepare"):
+            merge([tmp_path / "A"], tmp_path / "M")
+        assert not (tmp_path / "M").exists()

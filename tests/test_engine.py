@@ -186,3 +186,12 @@ def test_regenerate_fast_engine_writes_what_hf_writes(tmp_path, tiny_smollm2):
     assert set(run(short, "--max-len", "160")) == set("abcd")
     (err,) = map(json.loads, (tmp_path / "short.jsonl.errors.jsonl").read_text().splitlines())
     assert err["id"] == "e" and "raise --max-len" in err["error"]
+
+
+def test_other_families_get_the_message_not_an_attribute_error():
+    """A GPT-2-style model has no decoder.layers: the engine names the families it runs before reading them."""
+    import transformers
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of \('llama', 'mistral', 'qwen2', "
+                                         r"'qwen3'\).*use --engine hf"):
+        Engine(model, max_batch=2, max_len=32)

@@ -112,6 +112,38 @@ def test_unreadable_rows_skipped_and_missing_input(tmp_path, capsys):
         regen.main(["--input", str(missing), "--output", str(tmp_path / "o.jsonl"), "--endpoint", "http://127.0.0.1:9"])
 
 
+def test_an_output_that_is_not_regenerate_output_is_refused(tmp_path):
+    """--output naming a prompt file (one line of JSON, as json.dump writes it, or prompt rows) or the --input
+    itself (a hard link too): refused before any request, the file byte for byte as it was."""
+    inp = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [user("alpha")]}])
+    server = ["--endpoint", "http://127.0.0.1:9"]  # never reached
+    for obj in ([{"id": "a", "messages": [user("alpha")]}], {"id": "a", "messages": [user("alpha")]}):
+        out = tmp_path / "prompts.json"
+        out.write_text(json.dumps(obj))
+        with pytest.raises(SystemExit, match="prompts.json:1 is JSON but not a row that regenerate writes"):
+            regen.main(["--input", str(inp), "--output", str(out), *server])
+        assert out.read_text() == json.dumps(obj)
+    before = inp.read_bytes()
+    (tmp_path / "link.jsonl").hardlink_to(inp)
+    for out in (inp, tmp_path / "link.jsonl", tmp_path):   # the input, a hard link to it, a folder
+        with pytest.raises(SystemExit) as e:
+            regen.main(["--input", str(inp), "--output", str(out), *server])
+        assert e.value.code == 2 and inp.read_bytes() == before
+
+
+@pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--retries", "0"), ("--batch-size", "-4"),
+                                        ("--concurrency", "0")])
+def test_bad_counts_are_refused(tmp_path, capsys, flag, value):
+    """A negative --limit processed nothing and exited 0; --retries 0 never tried; a negative --batch-size: each is
+    a usage error (exit status 2) naming the flag."""
+    inp = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [user("alpha")]}])
+    with pytest.raises(SystemExit) as e:
+        regen.main(["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--endpoint", "http://127.0.0.1:9",
+                    flag, value])
+    assert e.value.code == 2 and f"{flag} {value} must be" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # HTTP backend against a fake OpenAI-compatible server
 
