@@ -257,7 +257,7 @@ class Endpoint:
         """Before any row: the model name (the one served, or `served_model`, which must be among them), its
         context length, a one-token chat request (and a raw completion with `completions`). Rejected with what to
         fix; Transient after the tries when the server does not answer."""
-        models = with_retries(self.list_models, self.tries, f"openai_client: {self.url}/models")
+        models = with_retries(self.list_models, self.tries, "openai_client: probe")
         names = [m["id"] for m in models]
         if served_model is None:
             if len(names) != 1:
@@ -274,12 +274,12 @@ class Endpoint:
         try:
             url = f"{self.url}/chat/completions"
             body = {"model": self.model, **chat_request(PROBE_MESSAGES, 1, thinking=thinking)[1]}
-            reply = with_retries(lambda: request_json(url, body, self.timeout), self.tries, f"openai_client: {url}")
+            reply = with_retries(lambda: request_json(url, body, self.timeout), self.tries, "openai_client: probe")
             self.prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
             choices_of(reply, url, chat=True)
             if completions:
                 url = f"{self.url}/completions"
-                with_retries(lambda: self.complete("Hi", 1), self.tries, f"openai_client: {url}")
+                with_retries(lambda: self.complete("Hi", 1), self.tries, "openai_client: probe")
         except Rejected as e:
             what = "a one-token chat request" if url.endswith("chat/completions") else \
                 "a one-token raw completion"
@@ -323,7 +323,7 @@ class Pool:
 
     def healthy(self, e: Endpoint) -> bool:
         try:
-            with_retries(e.list_models, self.tries, f"openai_client: {e.url}/models (health check)", self.log)
+            with_retries(e.list_models, self.tries, "openai_client: health check", self.log)
             return True
         except (Transient, Rejected):
             return False
@@ -361,7 +361,7 @@ class Pool:
                         return
                     if attempt + 1 < self.tries:
                         wait = backoff_s(attempt)
-                        self.say(f"{e.url}/{path}: {err}; retry {attempt + 2}/{self.tries} in {wait:g} s")
+                        self.say(f"{err}; retry {attempt + 2}/{self.tries} in {wait:g} s")   # err names the URL
                         time.sleep(wait)
                         work.put((tag, path, body, attempt + 1))
                         continue

@@ -6,6 +6,7 @@ import socket
 import threading
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -262,7 +263,6 @@ WORDS = ("apple river code stone light cloud music paper glass table window gard
 def qwen3_dir(tmp_path_factory):
     import lzma
     import shutil
-    from pathlib import Path
     fixture = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
     d = tmp_path_factory.mktemp("qwen3_tokenizer")
     (d / "tokenizer.json").write_bytes(lzma.open(fixture / "tokenizer.json.xz").read())
@@ -301,3 +301,34 @@ def test_synthesize_server_errors_reject_candidates_and_resume(stubs, qwen3_dir,
     one = run(b, 9)
     assert a.read_text().splitlines() == b.read_text().splitlines() and one["kept"] == 9
     assert [json.loads(x)["id"] for x in syn.rejected_path(a).read_text().splitlines()] == ["self/2", "self/4"]
+
+
+def test_regenerate_stops_when_its_server_goes_away_and_a_rerun_finishes(stubs, tmp_path):
+    """The only server goes away after a few answers: the run stops (exit status 1) naming it, the rows written stay,
+    the rows in flight are not recorded as failed; a rerun against a server finishes every row once."""
+    from data import regenerate as regen
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                               for i in range(12)))
+    out = tmp_path / "out.jsonl"
+    s, served = stubs(), []
+
+    def answer(prompt, body):
+        served.append(prompt)
+        if len(served) == 6:   # the probe's request and 4 rows answered: then the server is gone
+            threading.Thread(target=s.stop).start()
+            return 503
+        return f"a:{prompt}"
+    s.answer = answer
+
+    def run(url):
+        return regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", url, "--concurrency", "1",
+                           "--retries", "2"])
+    with pytest.raises(SystemExit, match="(?s)every endpoint is down.*not recorded as failed"):
+        run(s.url)
+    done = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert done == ["p0", "p1", "p2", "p3"] and not Path(f"{out}.errors.jsonl").read_text()
+    assert run(stubs().url)["done_before"] == 4
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 12 and {r["id"] for r in rows} == {f"p{i}" for i in range(12)}
+    assert rows[4]["messages"][-1]["content"] == "q4@s"
