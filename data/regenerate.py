@@ -2,7 +2,7 @@
 
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local (model.engine)
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --endpoint http://127.0.0.1:30000 \
-        --served-model NAME --concurrency 32                                                  # SGLang / vLLM server
+        [http://10.0.0.2:30000 ...] [--served-model NAME] --concurrency 32                    # SGLang / vLLM servers
 
 Input: what data.prepare reads (.jsonl / .json / .parquet, .gz too, or a `datasets` folder), rows in the OpenAI
 `messages` or ShareGPT `conversations` format, parsed by data.chat.normalize_messages, so regeneration accepts and
@@ -17,6 +17,17 @@ free GPU memory, `--max-len` tokens each); `--engine hf` runs transformers `gene
 Both write the same greedy rows. Sampled rows (`--temperature` > 0) from the engine depend only on `--seed`, the
 row id and the turn, so a resumed run samples what an uninterrupted one would have.
 
+Server generation (data/openai_client.py) sends one /v1/chat/completions request per turn, --concurrency per
+endpoint, the rows shared by all the endpoints given. Before any row each server is probed: the model name (the
+one /v1/models lists, or --served-model, which must be among them), and a one-token chat request. A refused
+request (HTTP 4xx: a wrong model name, a template error) stops the run with exit status 2 and what to fix; it is
+never retried. Connection errors, timeouts, HTTP 5xx and 429 are retried (--retries tries, backoff doubling from
+0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors file below), a
+400 for one request (a prompt longer than the context) at once. A server that stops answering is dropped and its
+requests go to the others; with none left the run stops (exit status 1) and the rows in flight are not recorded
+as failed. A sampled request carries the API's `seed` from --seed, the row id and the turn: a server that honours
+it answers a resumed row as an uninterrupted run would (vLLM and SGLang only up to batch invariance).
+
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
 drops a torn last line (that prompt is redone); an --output whose lines parse but are not this tool's rows (a prompt
 file given by mistake), or that is the --input, is refused and left as it is. One run at a time writes an --output
@@ -25,23 +36,20 @@ OUTPUT.errors.jsonl and is attempted again on the next run; it never stops the j
 """
 import argparse
 import hashlib
-import http.client
 import json
 import os
 import sys
 import time
-import urllib.request
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
 from pathlib import Path
 
+from data import openai_client as oc
 from data import resume
 from data.chat import ROLE_ALIASES, RowError, has_reasoning, normalize_messages
 from data.prepare import read_rows
 
-RETRY_BACKOFF_S = 0.5     # sleep before the 2nd try of a failed request or batch; doubles per try, at most 8 s
 NUM_EXAMPLES = 5          # skipped input rows printed with their file:line
-RETRYABLE = (OSError, ValueError, KeyError, IndexError, http.client.HTTPException)  # URLError/HTTPError are OSError
+RETRYABLE = (OSError, ValueError, KeyError, IndexError)   # errors of a local batch that get --retries tries
 PLACEHOLDER = {"role": "assistant", "content": "(regenerated)"}  # lent to normalize_messages, see prompt_turns
 ENGINE_CHUNK = 32         # fast engine: conversations per engine call, in slots (bounds the prompts held; each call
                           # ends with its slots draining, ~1/ENGINE_CHUNK of the time)
@@ -228,51 +236,7 @@ class LocalBackend:
         return results
 
 
-class HttpBackend:
-    """OpenAI-compatible /v1/chat/completions (SGLang, vLLM). One request per conversation turn.
-
-    A server with a reasoning parser returns a thinking model's reasoning apart from its answer, in
-    `message.reasoning_content` (SGLang, vLLM) or `message.reasoning` (newer vLLM). It is put back in front of the
-    answer as `<think>\nREASONING\n</think>\n\nANSWER`, the text the model generated: Qwen3-style templates
-    render that as the think block (and drop it from earlier turns), data.chat.has_reasoning sees it."""
-
-    def __init__(self, endpoint, model, max_new_tokens, temperature, thinking, timeout):
-        self.url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/v1") else "/v1") + "/chat/completions"
-        self.model, self.max_new, self.temperature, self.thinking, self.timeout = (
-            model, max_new_tokens, temperature, thinking, timeout)
-
-    def one(self, messages) -> tuple[str, str, bool]:
-        """-> (answer text, "stop" | "length", whether it holds reasoning)."""
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new, "temperature": self.temperature}
-        if self.thinking is not None:
-            body["chat_template_kwargs"] = {"enable_thinking": self.thinking}
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            choice = json.loads(r.read())["choices"][0]
-        msg = choice["message"]
-        text = msg.get("content")
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        if isinstance(reasoning, str) and reasoning.strip():  # content is null when the answer was cut mid-thought
-            text = f"<think>\n{reasoning.strip()}\n</think>\n\n{(text or '').strip()}"
-        if not isinstance(text, str):
-            raise ValueError(f"server returned no text: {str(choice)[:200]}")
-        text = text.strip()
-        why = "length" if choice.get("finish_reason") == "length" else "stop"
-        return text, why, has_reasoning({"content": text})
-
-
 # --- driver ---------------------------------------------------------------------------------------------------------
-
-def with_retries(fn, retries, what):
-    for attempt in range(retries):
-        try:
-            return fn()
-        except RETRYABLE as e:
-            if attempt == retries - 1:
-                raise
-            print(f"regenerate: {what} failed ({e}); retry {attempt + 2}/{retries}", file=sys.stderr)
-            time.sleep(min(RETRY_BACKOFF_S * 2 ** attempt, 8.0))
-
 
 def run_local(backend, todo, sink, batch_size, retries, progress):
     """Batches of conversations advance turn by turn together; rows sorted by first prompt length pad less. A batch
@@ -287,7 +251,8 @@ def run_local(backend, todo, sink, batch_size, retries, progress):
                 live = [i for i, (_, _, asks) in enumerate(chunk) if k < len(asks)]
                 for i in live:
                     convs[i].append(chunk[i][2][k])
-                answers = with_retries(lambda: backend.generate([convs[i] for i in live]), retries, "batch")
+                answers = oc.with_retries(lambda: backend.generate([convs[i] for i in live]), retries,
+                                          "regenerate: batch", retry_on=RETRYABLE)
                 for i, (text, why) in zip(live, answers):
                     convs[i].append({"role": "assistant", "content": text})
                     reasons[i].append(why)
@@ -343,32 +308,39 @@ def run_engine(backend, todo, sink, chunk, progress):
             alive = turn
 
 
-def run_http(backend, todo, sink, concurrency, retries, progress) -> int:
-    """-> rows with an answer that holds no reasoning (counted with --thinking on only: the server's reasoning
-    parser may be off, or the model does not think)."""
-    def one(item):
-        row, history, asks = item
-        conv, reasons, reasoned = list(history), [], True
-        try:
-            for ask in asks:
-                conv.append(ask)
-                text, why, thought = with_retries(lambda: backend.one(conv), retries, row_id(row))
-                conv.append({"role": "assistant", "content": text})
-                reasons.append(why)
-                reasoned &= thought
-        except Exception as e:  # noqa: BLE001 - recorded per prompt, the run goes on
-            return row, None, e, True
-        return row, conv, reasons, reasoned
+def run_http(pool, todo, sink, args, thinking, progress) -> int:
+    """Every row's turns through the servers (data.openai_client.Pool), one request per turn, the next turn of a
+    conversation queued ahead of new rows; a row is written when its last turn is back, or recorded as failed when
+    a request of it fails (after its tries, or refused for itself: HTTP 400). A sampled request carries the API's
+    seed from --seed, the row id and the turn. -> rows with an answer that holds no reasoning (counted with
+    --thinking on only: the server's reasoning parser may be off, or the model does not think)."""
+    convs = [list(history) + asks[:1] for _, history, asks in todo]
+    reasons, reasoned = [[] for _ in todo], [True] * len(todo)
 
-    no_reasoning = 0
-    with ThreadPoolExecutor(concurrency) as pool:
-        for row, conv, info, reasoned in pool.map(one, todo):
-            if conv is None:
-                sink.failed(row, info)
-            else:
-                sink.done(row, conv, info)
-                no_reasoning += backend.thinking is True and not reasoned
+    def request(tag):
+        i, k = tag
+        seed = oc.api_seed(args.seed, sample_key(row_id(todo[i][0]), k)) if args.temperature > 0 else None
+        return oc.chat_request(list(convs[i]), args.max_new_tokens, temperature=args.temperature, seed=seed,
+                               thinking=thinking)
+
+    no_reasoning, pending = 0, deque((i, 0) for i in range(len(todo)))
+    for (i, k), choices, error in pool.run(pending, request):
+        row, _, asks = todo[i]
+        if error:
+            sink.failed(row, error)
             progress(1)
+            continue
+        text = choices[0].text.strip()
+        convs[i].append({"role": "assistant", "content": text})
+        reasons[i].append(choices[0].finish_reason)
+        reasoned[i] &= has_reasoning({"content": text})
+        if k + 1 < len(asks):
+            convs[i].append(asks[k + 1])
+            pending.appendleft((i, k + 1))   # a started conversation first: it is written sooner
+            continue
+        sink.done(row, convs[i], reasons[i])
+        no_reasoning += thinking is True and not reasoned[i]
+        progress(1)
     return no_reasoning
 
 
@@ -378,8 +350,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--input", type=Path, required=True, help="conversations or prompts (.jsonl/.json/.parquet/folder)")
     ap.add_argument("--output", type=Path, required=True, help="JSONL to append to (resumed if it exists)")
     ap.add_argument("--model", help="local HF model folder (no server)")
-    ap.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000")
-    ap.add_argument("--served-model", default="default", help="model name the server expects")
+    ap.add_argument("--endpoint", nargs="+", metavar="URL", help="OpenAI-compatible servers (SGLang, vLLM), e.g. "
+                    "http://127.0.0.1:30000; several share the rows")
+    ap.add_argument("--served-model", help="model name to ask the server for (default: the one it lists at "
+                                           "/v1/models)")
     ap.add_argument("--turns", choices=["all", "last"], default="all")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -390,8 +364,9 @@ def main(argv=None) -> dict:
                     f"free GPU memory), or for --engine hf conversations per generate call (0 = {HF_BATCH})")
     ap.add_argument("--max-len", type=int, default=4096, help="fast engine: prompt + answer tokens per slot; a longer "
                     "prompt is recorded as failed")
-    ap.add_argument("--concurrency", type=int, default=16, help="HTTP backend: requests in flight")
-    ap.add_argument("--retries", type=int, default=3, help="tries per prompt before it is recorded as failed")
+    ap.add_argument("--concurrency", type=int, default=16, help="HTTP backend: requests in flight per endpoint")
+    ap.add_argument("--retries", type=int, default=3, help="tries per request (HTTP: transient errors only) before "
+                                                          "its prompt is recorded as failed")
     ap.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout per request, seconds")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -435,8 +410,7 @@ def run(args) -> dict:
         backend = LocalBackend(args.model, args.device, args.dtype, args.max_new_tokens, args.temperature,
                                thinking, args.seed, args.engine, args.batch_size, args.max_len)
     else:
-        backend = HttpBackend(args.endpoint, args.served_model, args.max_new_tokens, args.temperature, thinking,
-                              args.timeout)
+        backend = oc.connect("regenerate", args, thinking=thinking)
     sink = Sink(args.output)
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     t0 = time.perf_counter()
@@ -446,14 +420,21 @@ def run(args) -> dict:
         if hasattr(backend, "generated_tokens"):
             bar.set_postfix_str(f"{backend.generated_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
 
-    if args.model and args.engine == "fast":
-        run_engine(backend, todo, sink, ENGINE_CHUNK * backend.engine.S, progress)
-    elif args.model:
-        run_local(backend, todo, sink, args.batch_size or HF_BATCH, args.retries, progress)
-    else:
-        counts["no_reasoning"] = run_http(backend, todo, sink, args.concurrency, args.retries, progress)
-    bar.close()
-    sink.close()
+    try:
+        if args.model and args.engine == "fast":
+            run_engine(backend, todo, sink, ENGINE_CHUNK * backend.engine.S, progress)
+        elif args.model:
+            run_local(backend, todo, sink, args.batch_size or HF_BATCH, args.retries, progress)
+        else:
+            counts["no_reasoning"] = run_http(backend, todo, sink, args, thinking, progress)
+    except oc.Rejected as e:   # not a row's own: every request would be refused
+        oc.exit_rejected("regenerate", e)
+    except oc.EndpointsDown as e:
+        raise SystemExit(f"regenerate: stopped: {e}\nregenerate: the rows written stay and the rows in flight were "
+                         f"not recorded as failed: start the server(s) and run the same command again to go on")
+    finally:
+        bar.close()
+        sink.close()
     wall = time.perf_counter() - t0
     counts["failed"] = sink.n_failed
     if counts["no_reasoning"]:

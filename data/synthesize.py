@@ -5,6 +5,8 @@
         [--max-new-tokens 384] [--prompt-tokens 128]
         [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--attention sdpa|matmul]
         [--compile-sampler] [--device auto] [--dtype auto]
+    python -m data.synthesize --endpoint URL [URL ...] --tokenizer DIR --num N --out FILE.jsonl [--served-model NAME]
+        [--concurrency 16] [--retries 3] [--timeout 600] [the settings above but the engine's]
 
 An instruction-tuned model given only its template's opening of a user turn (`<|im_start|>user\\n` after the default
 system turn; found by rendering a sentinel user message and taking the text before it) writes a plausible user
@@ -58,8 +60,28 @@ the holder), and a second run on the same --out is refused with the holder's pid
 A stream that has tried ATTEMPTS_PER_ROW (--attempts-per-row) candidates per row it must supply stops there, short,
 with the reasons printed: more attempts would not help a model whose prompts the filters keep rejecting.
 
-Exit status: 0 when --out holds --num rows; 1 when it holds fewer (a SIGTERM or Ctrl-C, a stream stopped short), with
-the command that goes on from there; 2 for a bad argument.
+Through servers (--endpoint, data/openai_client.py; SGLang, vLLM, tools/serve_openai.py): the same candidates,
+filters, ordered writer, stats and resume; only the generations go elsewhere (ServerEngine). A self-written user
+turn is a raw /v1/completions request of the rendered template opening (and opener) with add_special_tokens false
+and the stop ids as `stop_token_ids`; an answer is a /v1/chat/completions request of the row's messages. The
+template opening is rendered locally, so the served model's tokenizer and chat template must be here: --tokenizer
+DIR (tokenizer.json, tokenizer_config.json, the template), or --model DIR (its weights are then fingerprinted
+as the rows' model, but nothing is loaded). The probe, before any row, reads the model name from /v1/models (or
+checks --served-model), its context (max_model_len, which must hold the conversation's max_len), sends a one-token
+chat and a one-token completion, and warns when the server renders a chat to another token count than the local
+template. OUT.stats.json records the served model names in place of the weights; a resume must see the same, and
+local and server runs do not mix in one --out. A sampled request carries the API's `seed` from --seed and the
+candidate's key (stream, index, turn): a server that honours seeds repeats a candidate on resume, so the rows are
+those of an uninterrupted run (tools/serve_openai.py, one request at a time, does). vLLM and SGLang honour the seed
+but are not batch-invariant: the same request batched with others may sample other text, so the rows after a cut
+may differ from an uninterrupted run's; the rows written stay and no id is written twice either way. --concurrency
+requests per endpoint are in flight (the window is WINDOW_PER_SLOT of them per request slot). A request that fails
+after --retries tries while its server answers (or a 400 for that one request) rejects its candidate as
+server_error, with the error in the rejected row; HTTP 4xx from the probe or for every request stops the run with
+exit status 2; servers that all stop answering stop it with exit status 1, and the rerun goes on from there.
+
+Exit status: 0 when --out holds --num rows; 1 when it holds fewer (a SIGTERM or Ctrl-C, a stream stopped short, the
+servers gone), with the command that goes on from there; 2 for a bad argument or a request the server refuses.
 """
 import argparse
 import hashlib
@@ -78,6 +100,7 @@ from typing import NamedTuple
 from collections import Counter, deque
 
 from data import filters as F
+from data import openai_client as oc
 from data import resume
 from data.chat import end_of_turn, render, template_hash
 from model.engine import Request
@@ -89,6 +112,7 @@ WINDOW_PER_SLOT = 3      # candidates in flight = this * --batch-size: enough qu
 TURN_OVERHEAD = 16       # tokens a template adds around one turn (role header, end-of-turn): headroom in max_len
 SENTINEL = "Zq7 user sentinel"  # content of the probe user turn whose opening the model continues
 STREAMS = ("self", "mix")
+SERVER_ERROR = "server_error"   # rejection reason of a candidate whose server request failed (--endpoint only)
 
 
 # --- the template ---------------------------------------------------------------------------------------------------
@@ -258,6 +282,7 @@ class Item:
     turn: int = 0                 # generations done: the key of the next one
     reason: str | None = None     # set when rejected
     opener: Opener = NO_OPENER    # the start of the first self-written user turn and its cap (--openers)
+    prompt: str = ""              # the text of a "write" request in flight (a server is sent text, not ids)
 
     def key(self) -> int:
         return sample_key(self.stream, self.index, self.turn)
@@ -303,8 +328,8 @@ class Synth:
         if it.steps[0] == "write":
             first = not F.user_turns(it.row)
             cap = (first and it.opener.prompt_tokens) or a.prompt_tokens           # the opener's, first turn only
-            req = Request(encode(self.tok, user_opening(self.tok, it.row["messages"]) + it.opener.text * first),
-                          cap, a.prompt_temperature, it.key(), it)
+            it.prompt = user_opening(self.tok, it.row["messages"]) + it.opener.text * first
+            req = Request(encode(self.tok, it.prompt), cap, a.prompt_temperature, it.key(), it)
         else:
             req = Request(encode(self.tok, render(self.tok, it.row["messages"], add_generation_prompt=True)),
                           a.max_new_tokens, a.temperature, it.key(), it)
@@ -317,10 +342,18 @@ class Synth:
             return self.filters.opener_reason(it.row, dedup=False)  # mix rows: the shipped sets repeat on purpose
         return self.filters.rest_reason(it.row)
 
-    def took(self, it: Item, ids, why):
-        """One generation of `it` is back: add it to the row, judge it, queue what comes next."""
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        self.tokens += len(ids) + (why == "stop")  # the stop token was generated too
+    def took(self, it: Item, out, why):
+        """One generation of `it` is back: add it to the row, judge it, queue what comes next. out: the engine's
+        token ids, a server's oc.Choice, or the error that failed the request after its tries (ServerEngine)."""
+        if isinstance(out, Exception):
+            self.failed(it, out)
+            return
+        if isinstance(out, oc.Choice):
+            text, n = out.text, (out.tokens if out.tokens is not None
+                                 else len(encode(self.tok, out.text)) + (why == "stop"))
+        else:
+            text, n = self.tok.decode(out, skip_special_tokens=True), len(out) + (why == "stop")
+        self.tokens += n  # the stop token was generated too
         it.turn += 1
         # the first self-written user turn continues its opener's text (no strip between the two)
         text = (it.opener.text + text if it.steps[0] == "write" and not F.user_turns(it.row) else text).strip()
@@ -338,13 +371,27 @@ class Synth:
             return
         # a first self-written opener: judged against every lower index's, in index order, whatever the timing
         self.waiting[it.index] = it
+        self.judge_waiting()
+
+    def judge_waiting(self):
         while self.judge_next in self.waiting:
             nxt = self.waiting.pop(self.judge_next)
             self.judge_next += 1
-            nxt.reason = self.filters.opener_reason(nxt.row)
-            if not nxt.reason:
-                self.filters.admit(nxt.row)
+            if not nxt.reason:   # (a candidate whose opener the server failed to write is judged already)
+                nxt.reason = self.filters.opener_reason(nxt.row)
+                if not nxt.reason:
+                    self.filters.admit(nxt.row)
             self.advance(nxt)
+
+    def failed(self, it: Item, error):
+        """A server request of `it` failed after its tries (or was refused for itself): the candidate is rejected
+        as server_error, with the error in the row; a first opener still waits for its turn in the index order."""
+        it.reason, it.row["error"] = SERVER_ERROR, str(error)[:300]
+        if it.stream == "self" and it.steps[0] == "write" and not F.user_turns(it.row):
+            self.waiting[it.index] = it
+            self.judge_waiting()
+        else:
+            self.finished.append(it)
 
     def post(self, bar):
         if time.time() - self.last_post > 2.0:
@@ -365,6 +412,44 @@ def load_engine(args, max_len):
         raise SystemExit(f"synthesize: {e}")
 
 
+class ServerEngine:
+    """data.engine.Engine's run() over OpenAI-compatible servers (data.openai_client.Pool). A self-written user turn
+    is a raw completion (/v1/completions) of the text the local engine gets as ids (the template's rendered opening
+    of a user turn, as Magpie sends it; `add_special_tokens` false: the text holds the template's own), stopped at
+    the same stop ids (vLLM's and SGLang's `stop_token_ids`, besides the server's eos); an answer is a chat
+    completion (/v1/chat/completions) of the row's messages, which the server renders with its own template. A
+    sampled request carries the API's `seed`, from --seed and the request's key: the same candidate asks with the
+    same seed in every run."""
+
+    def __init__(self, pool: oc.Pool, seed: int):
+        self.pool, self.seed = pool, seed
+
+    def run(self, pending: deque, *, stop_ids, sampled=None):
+        def request(req: Request):
+            seed = oc.api_seed(self.seed, req.key) if req.temperature > 0 else None
+            if req.tag.steps[0] == "answer":
+                return oc.chat_request(list(req.tag.row["messages"]), req.max_new, temperature=req.temperature,
+                                       seed=seed)
+            return oc.completion_request(req.tag.prompt, req.max_new, temperature=req.temperature, seed=seed,
+                                         add_special_tokens=False, stop_token_ids=list(stop_ids))
+        for req, choices, error in self.pool.run(pending, request):
+            yield req, error or choices[0], None if error else choices[0].finish_reason
+
+
+def connect(args, tok) -> oc.Pool:
+    """--endpoint: the servers, probed (model name, context length, a chat and a raw completion) before any row.
+    SystemExit (status 2 for a refused probe) naming what to fix. A template the server renders to another token
+    count than --tokenizer's is reported: its answers would follow a conversation other than the rows hold."""
+    pool = oc.connect("synthesize", args, completions=True)
+    local = len(encode(tok, render(tok, oc.PROBE_MESSAGES, add_generation_prompt=True)))
+    for e in pool.endpoints:
+        if e.prompt_tokens is not None and e.prompt_tokens != local:
+            print(f"synthesize: warning: {e.url} renders a one-message chat to {e.prompt_tokens} tokens, the "
+                  f"tokenizer of {args.tokenizer or args.model} to {local}: check that it is the served model's "
+                  f"tokenizer and chat template", file=sys.stderr)
+    return pool
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
     try:
@@ -382,11 +467,15 @@ def read_mix(args) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def run_config(args, tok) -> dict:
-    """The settings that shape the rows: a resumed run must have the same."""
-    cfg_file = Path(args.model) / "config.json"
+def run_config(args, tok, pool=None) -> dict:
+    """The settings that shape the rows: a resumed run must have the same. With --endpoint, the served model names
+    stand in for the weights, which a server does not show (those of --model when it is given too)."""
+    folder = Path(args.model or args.tokenizer)
+    cfg_file = folder / "config.json"
     return {"model_config": file_hash(cfg_file) if cfg_file.exists() else None,
-            "model_weights": resume.weights_fingerprint(args.model), "chat_template": template_hash(tok),
+            "model_weights": resume.weights_fingerprint(args.model) if args.model else None,
+            **({"served_model": sorted({e.model for e in pool.endpoints})} if pool else {}),
+            "chat_template": template_hash(tok),
             "seed": args.seed, "turns": args.turns, "system": args.system or None,
             "max_new_tokens": args.max_new_tokens, "prompt_tokens": args.prompt_tokens,
             "temperature": args.temperature, "prompt_temperature": args.prompt_temperature,
@@ -445,7 +534,16 @@ def targets(args, kept: dict | None = None) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="local HF model folder of the target")
+    ap.add_argument("--model", help="local HF model folder of the target (with --endpoint: read for its tokenizer)")
+    ap.add_argument("--endpoint", nargs="+", metavar="URL", help="OpenAI-compatible servers of the target (SGLang, "
+                    "vLLM) instead of the local engine, e.g. http://127.0.0.1:30000")
+    ap.add_argument("--tokenizer", help="with --endpoint and no --model: a folder with the served model's tokenizer "
+                                        "and chat template (the user turn's opening is rendered here)")
+    ap.add_argument("--served-model", help="with --endpoint: the model name to ask for (default: the one the "
+                                           "server lists at /v1/models)")
+    ap.add_argument("--concurrency", type=int, default=16, help="with --endpoint: requests in flight per endpoint")
+    ap.add_argument("--retries", type=int, default=3, help="with --endpoint: tries per request (transient errors)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="with --endpoint: seconds per request")
     ap.add_argument("--num", type=int, required=True, help="rows wanted in --out (kept rows; resumed runs count)")
     ap.add_argument("--out", type=Path, required=True, help="JSONL to append to (resumed if it exists)")
     ap.add_argument("--seed", type=int, default=0)
@@ -482,8 +580,21 @@ def parse_args(argv):
     if bool(args.mix) != (args.mix_ratio > 0):
         ap.error("--mix and --mix-ratio go together: give both (e.g. --mix data/default/train_prompts.jsonl "
                  "--mix-ratio 0.02) or neither")
-    if not Path(args.model).is_dir():
-        ap.error(f"--model {args.model} is not a model folder")
+    if args.endpoint:
+        if not (args.tokenizer or args.model):
+            ap.error("--endpoint needs the served model's tokenizer here (a server does not send it): give "
+                     "--tokenizer DIR (its tokenizer.json, tokenizer_config.json, chat template) or --model DIR")
+        if args.concurrency < 1 or args.retries < 1:
+            ap.error("--concurrency and --retries must be at least 1")
+        args.batch_size = args.concurrency * len(args.endpoint)  # the requests in flight: the window's unit
+    elif not args.model:
+        ap.error("give --model DIR (the local engine) or --endpoint URL (a server)")
+    elif args.tokenizer:
+        ap.error("--tokenizer goes with --endpoint; the local engine uses --model's tokenizer")
+    for name in ("--model", "--tokenizer"):
+        folder = getattr(args, name[2:])
+        if folder and not Path(folder).is_dir():
+            ap.error(f"{name} {folder} is not a model folder")
     if args.out.is_dir():
         ap.error(f"--out {args.out} is a folder: give the path of a JSONL file, e.g. {args.out / 'rows.jsonl'}")
     for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--openers", args.openers)] * bool(args.openers) + \
@@ -514,8 +625,9 @@ def main(argv=None) -> dict:
 
 def run(args, argv) -> dict:
     t_start = time.time()
-    tok = load_tokenizer(args.model)
-    config = run_config(args, tok)
+    tok = load_tokenizer(args.tokenizer or args.model)
+    pool = connect(args, tok) if args.endpoint else None   # the probe, before anything is written
+    config = run_config(args, tok, pool)
     written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
     back = read_back(args.out) + read_back(rejected_path(args.out))
     twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
@@ -532,6 +644,8 @@ def run(args, argv) -> dict:
     filters = F.Filters(F.heldout_prompts([*F.HELDOUT_DEFAULTS, *args.heldout]))
     openers = read_openers(args.openers) if args.openers else []
     stats = {s: F.empty_stats() for s in STREAMS}
+    for st in stats.values() if pool else ():
+        st["rejected"][SERVER_ERROR] = 0
     for s, rows in written.items():  # the filter state, rebuilt as it was built: in index order
         for row in rows:
             reason = row.get("rejected")
@@ -548,6 +662,10 @@ def run(args, argv) -> dict:
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []
     max_len = check_max_len(args, tok, openers, mix_prompts)
+    if pool and pool.max_len and max_len > pool.max_len:
+        raise SystemExit(f"synthesize: a conversation may need {max_len:,} tokens, more than the server's context "
+                         f"({pool.max_len:,}, max_model_len at /v1/models): lower --max-new-tokens or --prompt-tokens, "
+                         f"or serve a longer context")
     print(f"synthesize: {kept0:,} rows already in {args.out} (self {stats['self']['kept']:,}, mix "
           f"{stats['mix']['kept']:,}), want {args.num:,} (self {want['self']:,}, mix {want['mix']:,}); "
           f"max_len {max_len:,} tokens; up to {WINDOW_PER_SLOT * args.batch_size:,} candidates in flight")
@@ -561,17 +679,21 @@ def run(args, argv) -> dict:
     if not sum(todo.values()):
         print(f"synthesize: nothing to do ({kept0:,} rows >= {args.num:,})")
         return summarize(config, stats, nxt, runs)
-    engine, model = load_engine(args, max_len)
+    engine, model = load_engine(args, max_len) if not pool else (ServerEngine(pool, args.seed), None)
     synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers)
     from tqdm import tqdm
     bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
     sink = Sink(args.out)
-    stopped = None
+    stopped = refused = None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)  # a stop (timeout, kill) still records this run
     try:
         generate_rows(synth, stats, want, nxt, args, sink, bar, record)
     except (Stopped, KeyboardInterrupt) as e:
         stopped = str(e) or "SIGINT"
+    except oc.EndpointsDown as e:   # the candidates in flight are redone by the next run
+        stopped = f"the servers going down ({e})"
+    except oc.Rejected as e:        # not a candidate's own: every request would be refused
+        stopped, refused = f"a refused request (HTTP {e.status})", e
     finally:
         signal.signal(signal.SIGTERM, previous)
         sink.close()
@@ -582,8 +704,9 @@ def run(args, argv) -> dict:
     runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
                  "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
                  "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
-                 "attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
-                 "dtype": args.dtype,
+                 **({"endpoints": [e.url for e in pool.endpoints], "concurrency": args.concurrency} if pool else
+                    {"attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
+                     "dtype": args.dtype}),
                  **({"stopped": stopped} if stopped else {})})
     record()
     for s in STREAMS:
@@ -593,6 +716,8 @@ def run(args, argv) -> dict:
           f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates "
           f"too; {time.time() - t_start:,.1f} s with loading)")
     summary = summarize(config, stats, nxt, runs)
+    if refused:
+        oc.exit_rejected("synthesize", refused)
     short = short_message(args, argv, stats, want, nxt, stopped)
     if short:
         raise Incomplete(short, summary)
@@ -640,7 +765,7 @@ def check_max_len(args, tok, openers, mix_prompts) -> int:
     template = len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
     user_len = max(opener_len, args.prompt_tokens, longest_mix)
     max_len = template + args.turns * (user_len + args.max_new_tokens + 2 * TURN_OVERHEAD)
-    limit = max_positions(Path(args.model))
+    limit = max_positions(Path(args.model or args.tokenizer))
     if limit and max_len > limit:
         which = (f"the opener {longest_opener.name!r} of --openers {args.openers} (\"prompt_tokens\" "
                  f"{longest_opener.prompt_tokens:,})" if longest_opener and longest_opener.prompt_tokens
@@ -670,7 +795,7 @@ def summarize(config, stats, nxt, runs) -> dict:
         total["kept"] += st["kept"]
         total["length_capped"] += st["length_capped"]
         for r, n in st["rejected"].items():
-            total["rejected"][r] += n
+            total["rejected"][r] = total["rejected"].get(r, 0) + n   # server_error: --endpoint runs only
     return {"config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
 
 

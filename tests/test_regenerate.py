@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMOLLM2_DIR
+from data import openai_client as oc
 from data import regenerate as regen
 from data.chat import RowError, normalize_messages
 
@@ -51,7 +52,7 @@ def qwen3_tokenizer(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch):
-    monkeypatch.setattr(regen, "RETRY_BACKOFF_S", 0.0)
+    monkeypatch.setattr(oc, "RETRY_BACKOFF_S", 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,22 +152,28 @@ def answer(text: str) -> str:
 
 
 class FakeServer:
-    """/v1/chat/completions answering `answer(last user content)`. Requests are counted per conversation (its first
-    user turn); `fail_once` prompts get one HTTP 500 first, `fail_always` prompts only 500s; "long" prompts end
-    with finish_reason "length"; `reasoning` maps a last user content to (field, text) sent beside the answer, as a
-    server with a reasoning parser does."""
+    """/v1/models listing one model, "tgt"; /v1/chat/completions answering `answer(last user content)`. Requests are
+    counted per conversation (its first user turn), the probe's apart (`probes`); `fail_once` prompts get one HTTP
+    500 first, `fail_always` prompts only 500s; "long" prompts end with finish_reason "length"; `reasoning` maps a
+    last user content to (field, text) sent beside the answer, as a server with a reasoning parser does."""
 
     def __init__(self):
-        self.requests, self.bodies = Counter(), []
+        self.requests, self.bodies, self.probes = Counter(), [], []
         self.fail_once, self.fail_always = {"flaky"}, {"broken"}
         self.reasoning = {}
         self.lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.reply({"object": "list", "data": [{"id": "tgt"}]})
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 users = [m["content"] for m in body["messages"] if m["role"] == "user"]
+                if body["messages"] == oc.PROBE_MESSAGES:
+                    server.probes.append(body)
+                    return self.reply({"choices": [{"message": {"content": "Hi"}, "finish_reason": "length"}]})
                 with server.lock:
                     server.bodies.append(body)
                     server.requests[users[0]] += 1
@@ -179,9 +186,11 @@ class FakeServer:
                 if users[-1] in server.reasoning:
                     field, text = server.reasoning[users[-1]]
                     message[field] = text
-                reply = {"choices": [{"message": message,
-                                      "finish_reason": "length" if "long" in users[-1] else "stop"}]}
-                data = json.dumps(reply).encode()
+                self.reply({"choices": [{"message": message,
+                                         "finish_reason": "length" if "long" in users[-1] else "stop"}]})
+
+            def reply(self, obj):
+                data = json.dumps(obj).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -325,6 +334,7 @@ def test_http_thinking_switch(tmp_path, server, thinking, sent):
     run(inp, out, server, "--thinking", thinking, "--served-model", "tgt", "--max-new-tokens", "7")
     (body,) = server.bodies
     assert body.get("chat_template_kwargs") == sent
+    assert [p.get("chat_template_kwargs") for p in server.probes] == [sent]  # one probe, with the same template
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("tgt", 7, 0.0)
 
 
