@@ -413,7 +413,7 @@ def load_engine(args, max_len):
 
 
 class ServerEngine:
-    """data.engine.Engine's run() over OpenAI-compatible servers (data.openai_client.Pool). A self-written user turn
+    """model.engine.Engine's run() over OpenAI-compatible servers (data.openai_client.Pool). A self-written user turn
     is a raw completion (/v1/completions) of the text the local engine gets as ids (the template's rendered opening
     of a user turn, as Magpie sends it; `add_special_tokens` false: the text holds the template's own), stopped at
     the same stop ids (vLLM's and SGLang's `stop_token_ids`, besides the server's eos); an answer is a chat
