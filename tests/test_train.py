@@ -2,6 +2,7 @@
 with a tiny target (tests/runs.py)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,8 +283,8 @@ def test_resume_refuses_changed_drafter_settings_and_another_target(assets, tmp_
         "NUM_DRAFT_LAYERS: the checkpoint has num_hidden_layers=1, this run 2",
         "SLIDING_WINDOW_LAYERS: the checkpoint has layer_types=['full_attention'], this run "
         "['full_attention', 'full_attention']"]
-    moved = tmp_path / "moved"
-    target.rename(moved)                                                 # a moved folder is the same target
+    moved = tmp_path / "moved"   # a copy elsewhere (the module's shared target stays where the later tests find it)
+    shutil.copytree(target, moved)                                       # a moved folder is the same target
     assert ckpt.resume_mismatches(meta, cfg, ckpt.target_fingerprint(moved)) == []
 
 
