@@ -78,7 +78,8 @@ from model.engine import SUPPORTED
 from model.drafter import DrafterCache
 from model.export import load_drafter
 from model.fastdecode import FastDecoder
-from model.target import Target, resolve_model_path
+from model.hub import resolve_model_path
+from model.target import Target
 
 MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
 METHODS = ("decode", "fast", "walk")   # --method: see evaluate_drafters

@@ -15,7 +15,8 @@ import checkpoint as ckpt
 from model import fp8
 from model.drafter import COMPILE_MODES, DrafterConfig
 from model.objective import WEIGHTINGS
-from model.target import DEFAULT_TARGET, HUB_ID, check_mask_token_id, default_mask_token_id, resolve_model_path
+from model.hub import HUB_ID, resolve_model_path
+from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id
 
 REPO = Path(__file__).resolve().parent
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from data.chat import RowError, decode_line, end_of_turn, normalize_messages, template_hash, tokenize_chat
-from model.target import resolve_model_path
+from model.hub import resolve_model_path
 
 MAX_LEN = 4096               # tokens per sample; longer rows are truncated (or dropped with --overlong drop)
 MAX_ROW_BYTES = 32 << 20     # a raw row larger than this is skipped as too_long without being parsed

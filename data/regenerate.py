@@ -47,6 +47,7 @@ from data import openai_client as oc
 from data import resume
 from data.chat import ROLE_ALIASES, RowError, has_reasoning, normalize_messages
 from data.prepare import read_rows
+from model.hub import resolve_model_path
 
 NUM_EXAMPLES = 5          # skipped input rows printed with their file:line
 RETRYABLE = (OSError, ValueError, KeyError, IndexError)   # errors of a local batch that get --retries tries
@@ -383,6 +384,11 @@ def main(argv=None) -> dict:
                            ("--max-len", args.max_len >= 2, "at least 2")):
         if not ok:
             ap.error(f"{name} {getattr(args, name[2:].replace('-', '_'))} must be {want}")
+    if args.model:   # a folder, or a Hub id in the local Hugging Face cache
+        try:
+            args.model = str(resolve_model_path(args.model))
+        except FileNotFoundError as e:
+            ap.error(f"--model: {e}")
     if args.output.is_dir():
         ap.error(f"--output {args.output} is a folder: give the path of a JSONL file, e.g. "
                  f"{args.output / 'regen.jsonl'}")

@@ -104,6 +104,7 @@ from data import openai_client as oc
 from data import resume
 from data.chat import end_of_turn, render, template_hash
 from model.engine import Request
+from model.hub import resolve_model_path
 from data.regenerate import read_prompts, row_id
 
 ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
@@ -591,10 +592,12 @@ def parse_args(argv):
         ap.error("give --model DIR (the local engine) or --endpoint URL (a server)")
     elif args.tokenizer:
         ap.error("--tokenizer goes with --endpoint; the local engine uses --model's tokenizer")
-    for name in ("--model", "--tokenizer"):
-        folder = getattr(args, name[2:])
-        if folder and not Path(folder).is_dir():
-            ap.error(f"{name} {folder} is not a model folder")
+    for name in ("--model", "--tokenizer"):   # a folder, or a Hub id in the local Hugging Face cache
+        if getattr(args, name[2:]):
+            try:
+                setattr(args, name[2:], str(resolve_model_path(getattr(args, name[2:]))))
+            except FileNotFoundError as e:
+                ap.error(f"{name}: {e}")
     if args.out.is_dir():
         ap.error(f"--out {args.out} is a folder: give the path of a JSONL file, e.g. {args.out / 'rows.jsonl'}")
     for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--openers", args.openers)] * bool(args.openers) + \

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.drafter import Drafter, DrafterConfig
-from model.target import HUB_ID
+from model.hub import HUB_ID
 
 MODEL_DIR = Path(__file__).resolve().parent
 REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py")   # copied into every export, as they are

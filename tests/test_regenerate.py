@@ -144,6 +144,22 @@ def test_bad_counts_are_refused(tmp_path, capsys, flag, value):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_hub_id_model_absent_from_the_cache_names_the_cache(tmp_path, capsys, monkeypatch):
+    """--model org/name is looked up in the local Hugging Face cache only; absent, a usage error naming the cache
+    folder and how to fill it, before anything is written (data.synthesize reads --model / --tokenizer alike)."""
+    from data import synthesize
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    inp = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [user("alpha")]}])
+    for main, args in ((regen.main, ["--input", str(inp), "--output", str(tmp_path / "o.jsonl")]),
+                       (synthesize.main, ["--num", "2", "--out", str(tmp_path / "s.jsonl")])):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--model", "Qwen/Qwen3-8B"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"not in the Hugging Face cache {tmp_path / 'hub'}" in err, err
+        assert "hf download Qwen/Qwen3-8B" in err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "s.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # HTTP backend against a fake OpenAI-compatible server
 

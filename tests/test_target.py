@@ -6,7 +6,8 @@ import torch
 
 from conftest import SMOLLM2_DIR
 from model.drafter import DrafterConfig
-from model.target import Target, check_mask_token_id, default_mask_token_id, resolve_model_path
+from model.hub import resolve_model_path
+from model.target import Target, check_mask_token_id, default_mask_token_id
 
 
 @pytest.mark.parametrize("target,layer_ids", [("tiny_qwen3_dir", [0, 2, 3]), ("tiny_llama_dir", [0, 2, 3]),

@@ -3,7 +3,7 @@ data/synthesize.py) without SGLang or vLLM, and for the CPU tests that talk HTTP
 
     python -m tools.serve_openai --model DIR [--port 8000] [--host 127.0.0.1] [--served-model NAME] [--device cpu]
 
-DIR: a local HF folder or a Hub id already in the local cache (model.target.resolve_model_path). NAME defaults to
+DIR: a local HF folder or a Hub id already in the local cache (model.hub.resolve_model_path). NAME defaults to
 --model as given, as vLLM and SGLang name a model by the path they were given. --port 0 picks a free port. It prints
 `serving NAME on http://HOST:PORT` once it accepts requests, and stops on SIGTERM or Ctrl-C.
 
@@ -26,7 +26,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from model.engine import default_stop_ids, load_model
-from model.target import resolve_model_path
+from model.hub import resolve_model_path
 
 
 class BadRequest(Exception):
