@@ -103,9 +103,9 @@ from data import filters as F
 from data import openai_client as oc
 from data import resume
 from data.chat import end_of_turn, render, template_hash
+from data.regenerate import read_prompts, row_id
 from model.engine import Request
 from model.hub import resolve_model_path
-from data.regenerate import read_prompts, row_id
 
 ATTEMPTS_PER_ROW = 3     # candidates a stream may try per row it must supply (cumulative over resumed runs)
 WINDOW_PER_SLOT = 3      # candidates in flight = this * --batch-size: enough queued requests for every refill, and
