@@ -121,8 +121,8 @@ LOG_SECONDS = 60.0          # ... or at most this many seconds
 HEARTBEAT_TIMEOUT = 30.0    # s without a heartbeat before a rank is declared dead
 STALL_TIMEOUT = 600.0       # s without progress on any rank (after start-up) before the job is ended
 EVAL_EVERY = 0              # run the tau evaluation on every N-th checkpoint (0 = off); on the master drafter rank
-EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_broad.jsonl, nine categories of traffic)
-EVAL_LIMIT = 18             # prompts per evaluation, dealt over the categories (18 = 2 of each of the broad set's 9)
+EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_broad.jsonl, ten categories of traffic)
+EVAL_LIMIT = 20             # prompts per evaluation, dealt over the categories (20 = 2 of each of the broad set's 10)
 EVAL_MAX_NEW_TOKENS = 128   # tokens generated per prompt
 EVAL_DTYPE = "float32"      # target dtype for it: float32 keeps the losslessness check exact (bf16 block vs
 #                             one-token forwards round differently, which can flip near-tied greedy tokens)

@@ -1,14 +1,17 @@
-"""The broad evaluation set: prompts that look like a chat assistant's real traffic, nine categories weighted equally.
+"""The broad evaluation set: prompts that look like a chat assistant's real traffic, ten categories weighted equally.
 
     python -m data.broad_eval            # writes data/default/eval_broad.jsonl (the shipped file is its output)
 
-Rows as in eval_prompts.jsonl ({id, category, messages}). Seven categories are written here by hand (the tables
-below, ~30 varied user messages each); two are taken from the shipped data/default/eval_prompts.jsonl, so the
+Rows as in eval_prompts.jsonl ({id, category, messages}). Eight categories are written here by hand (the tables
+below, 30 varied requests each); two are taken from the shipped data/default/eval_prompts.jsonl, so the
 whole file rebuilds without any package:
   code_complete  every 5th HumanEval task (HumanEval/0, /5, ..., /160: 33 prompts), as eval_prompts.jsonl words it
   multiturn      the 40 odd-numbered MT-Bench questions with both user turns and an assistant placeholder between
                  them ({"role": "assistant", "content": null}): eval_dflash.py fills it with the target's greedy
                  answer to the first turn (untimed, not counted) and measures tau on the answer to the second
+  system         an app's own system prompt (support desks, tutors, personas, format rules) before the user's
+                 request, as served traffic mostly comes; none of these system prompts is in
+                 data/default/systems.jsonl, the training side's (data.synthesize --systems)
 Every row is held out of training data (data/filters.py HELDOUT_DEFAULTS holds this file).
 """
 import argparse
@@ -340,6 +343,72 @@ CODE_INSTRUCT = [
     "Write a function that groups a list of words into lists of anagrams, e.g. ['eat','tea','tan','ate','nat'].",
 ]
 
+SYSTEM = [   # (system prompt, user message): an app's own instructions before the user's request
+    ("You are the assistant of Greenleaf Pharmacy's website. Answer questions about opening hours, prescriptions "
+     "and deliveries. For medical advice, tell customers to speak with a pharmacist.",
+     "Hi, can I get my repeat prescription delivered this week, and how does that work?"),
+    ("You are Max, the help bot of a food delivery app. Be upbeat and brief.",
+     "my order says delivered but I never got it. what do I do"),
+    ("You are a support assistant for CloudNote, a note-taking app for Windows, macOS and Android.",
+     "My notes stopped syncing between my laptop and my phone since yesterday."),
+    ("You are an airline's virtual agent. You can explain baggage rules, check-in and rebooking policies.",
+     "How many bags can I take on a domestic economy flight, and what happens if mine is overweight?"),
+    ("You are a helpful assistant for a public library. Help visitors find books and explain library services.",
+     "Do you have any recommendations for a teenager who loved The Hunger Games?"),
+    ("You are a reading tutor for primary-school children. Be encouraging and use very simple language.",
+     "what does the word 'enormous' mean?"),
+    ("You are a chemistry teaching assistant for first-year university students. Explain reasoning, not just "
+     "results.",
+     "Why does adding salt to water raise its boiling point?"),
+    ("You are a Spanish teacher. Reply in English, but include the Spanish phrases the student asks for.",
+     "How do I politely ask for the bill at a restaurant in Spain?"),
+    ("You are a coding assistant inside an IDE. Answer with code first, then at most three sentences.",
+     "Read a CSV file with pandas and print the average of the 'price' column."),
+    ("You are a DevOps assistant. Assume the user runs Ubuntu servers and prefers shell commands.",
+     "How do I see which process is using port 8080?"),
+    ("You are a JavaScript mentor for beginners. Explain every line you write.",
+     "How do I add a click handler to a button that shows an alert?"),
+    ("You review pull requests for a Python team. Be specific and constructive.",
+     "Is this fine? def avg(xs): return sum(xs)/len(xs)"),
+    ("You are a copywriter for a small independent coffee roastery. Warm, down-to-earth tone.",
+     "Write a short product description for our new Ethiopian single-origin beans."),
+    ("You are a social media manager for a yoga studio. Keep posts under 60 words and add two hashtags.",
+     "Write a post announcing our new Sunday morning beginners class."),
+    ("You are a speechwriter. Write in a natural spoken style with short sentences.",
+     "Write a two-minute toast for my brother's wedding. He's a firefighter and loves fishing."),
+    ("You help users write professional emails. Always include a subject line.",
+     "Tell my landlord the kitchen tap has been leaking for a week and ask when it can be fixed."),
+    ("You are a personal finance assistant. Give general guidance only, and explain trade-offs.",
+     "Should I pay off my credit card or put money into savings first?"),
+    ("You are a nutrition assistant. Suggest balanced, practical options and note allergies when relevant.",
+     "Give me three quick high-protein breakfasts that aren't eggs."),
+    ("You are a gardening expert for people with small balconies.",
+     "What vegetables can I grow in pots on a shady north-facing balcony?"),
+    ("You are a home repair assistant. Put safety first and say when to call a professional.",
+     "My bathroom fan makes a loud rattling noise. How can I fix it?"),
+    ("You are a calm, friendly companion for people who feel lonely. Listen and respond kindly.",
+     "I moved here for work and most evenings I don't talk to anyone. It's getting to me."),
+    ("You are a Dungeon Master running a fantasy adventure. Describe scenes vividly and end with a choice.",
+     "I push open the heavy door of the abandoned watchtower."),
+    ("You are a trivia host. Be playful and give a fun fact after each answer.",
+     "Which planet has the most moons?"),
+    ("Always answer in exactly three bullet points.",
+     "What are the benefits of learning a second language?"),
+    ("You are a helpful assistant. Respond only with valid JSON with the keys \"answer\" and \"confidence\".",
+     "What is the capital of Australia?"),
+    ("You are a meeting assistant. Produce clear, concise summaries with action items.",
+     "Summarise: Ana will finish the budget draft by Friday. Tom is waiting on the vendor quote. We agreed to "
+     "move the launch to 14 May. Lisa will book the venue once the date is confirmed."),
+    ("You are an HR assistant for a mid-sized company. Be neutral and refer to company policy where relevant.",
+     "How should I ask my manager for a day off to attend my child's school event?"),
+    ("You are a travel agent specialising in rail travel in Europe.",
+     "Plan a 5-day train trip from Amsterdam to Vienna with two stops on the way."),
+    ("You are a careful math assistant. Show each step and box the final answer.",
+     "A shirt costs $40 after a 20% discount. What was the original price?"),
+    ("You are an assistant for a real estate agency. Be factual and do not give legal advice.",
+     "What questions should I ask when viewing a flat to rent?"),
+]
+
 HAND_WRITTEN = {          # category -> its prompts (single user turns)
     "chat": CHAT,
     "explain": EXPLAIN,
@@ -349,7 +418,7 @@ HAND_WRITTEN = {          # category -> its prompts (single user turns)
     "reasoning": REASONING,
     "code_instruct": CODE_INSTRUCT,
 }
-CATEGORIES = [*HAND_WRITTEN, "code_complete", "multiturn"]   # the order of the file
+CATEGORIES = [*HAND_WRITTEN, "code_complete", "multiturn", "system"]   # the order of the file
 
 
 # --- assembly -------------------------------------------------------------------------------------------------------
@@ -382,9 +451,15 @@ def multiturn_rows(source: list[dict]) -> list[dict]:
     return rows
 
 
+def system_rows() -> list[dict]:
+    return [{"id": f"system/{i:02d}", "category": "system",
+             "messages": [{"role": "system", "content": sys_text}, {"role": "user", "content": text}]}
+            for i, (sys_text, text) in enumerate(SYSTEM)]
+
+
 def build(source: Path = SOURCE) -> list[dict]:
     src = read_jsonl(source)
-    return hand_written_rows() + code_complete_rows(src) + multiturn_rows(src)
+    return hand_written_rows() + code_complete_rows(src) + multiturn_rows(src) + system_rows()
 
 
 def main(argv=None):

@@ -1,6 +1,7 @@
 """The target writes the prompts too: conversations from nothing but its chat template (the "Magpie" technique).
 
-    python -m data.synthesize --model PATH --num N --out FILE.jsonl [--seed S] [--turns 1|2] [--system TEXT]
+    python -m data.synthesize --model PATH --num N --out FILE.jsonl [--seed S] [--turns 1|2]
+        [--system TEXT | --systems data/default/systems.jsonl]
         [--mix data/default/train_prompts.jsonl --mix-ratio 0.02] [--openers data/default/openers.jsonl]
         [--max-new-tokens 384] [--prompt-tokens 128]
         [--temperature 0.6] [--prompt-temperature 1.0] [--batch-size 256] [--attention sdpa|matmul]
@@ -13,7 +14,12 @@ system turn; found by rendering a sentinel user message and taking the text befo
 message, up to its end-of-turn token or --prompt-tokens (then the message is cut: the row is rejected). The target
 then answers it, as data.regenerate would. --turns 2 continues the trick: the model writes a follow-up user turn
 after its own answer, then answers that. --system TEXT replaces the template's default system turn (and is kept in
-the rows, so training sees the context the answers were written in).
+the rows, so training sees the context the answers were written in). --systems FILE gives each conversation its own:
+a JSONL of {"name", "text", "weight"} rows (data/default/systems.jsonl: personas, support desks, tutors, format
+rules, as apps that serve a model set them), candidate <stream>/<i> drawing one by weight from a hash of --seed,
+the stream and i (its own hash: the opener drawn is the same with or without --systems); "" keeps the template's
+default. The model writes the user turn after that system turn, so a support desk's users ask about its product;
+the row keeps the system message and the drawn row's name under "system_name".
 
 --openers FILE steers what the self-written prompts are about: a JSONL of {"name", "text", "weight"} rows. Candidate
 self/<i> draws one row (by weight, from a hash of --seed and i alone) and its user turn starts with that text, which
@@ -47,7 +53,7 @@ Ctrl-C still records the run (rows, tokens, wall time) in OUT.stats.json and pri
 opener is judged for duplicates only once every lower index's opener was, so the verdicts are those of one pass in
 index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks its newline is
 kept; a file of other JSON given as --out (a prompt file) is refused and left as it is. The settings that shape the
-rows (--seed, --turns, --system, temperatures, token caps, the model's config.json and weights (their headers and
+rows (--seed, --turns, --system(s), temperatures, token caps, the model's config.json and weights (their headers and
 first MiB), mix, openers and held-out files) are recorded in OUT.stats.json and must match when resuming; --num,
 --mix-ratio, --batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples
 slightly different rows than an fp32 one, and a compiled sampler's float logs may round differently from eager).
@@ -162,18 +168,29 @@ class Opener(NamedTuple):
     prompt_tokens: int | None = None  # the cap on the model's continuation of it (None: --prompt-tokens)
 
 
-def draw_opener(openers, seed: int, index: int) -> Opener | None:
-    """The opener of candidate self/<index>: drawn by weight from a hash of (seed, index) alone, so a resumed or
-    re-windowed run draws the same. None without --openers."""
-    if not openers:
+def draw_weighted(rows, key: str):
+    """One of `rows` (each with a .weight), drawn by weight from a hash of `key` alone; None when there are none."""
+    if not rows:
         return None
-    digest = hashlib.blake2b(f"opener/{seed}/{index}".encode(), digest_size=8).digest()
-    u = (int.from_bytes(digest, "little") >> 11) / 2 ** 53 * sum(o.weight for o in openers)   # uniform in [0, total)
-    for o in openers:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    u = (int.from_bytes(digest, "little") >> 11) / 2 ** 53 * sum(o.weight for o in rows)   # uniform in [0, total)
+    for o in rows:
         u -= o.weight
         if u < 0:
             return o
-    return openers[-1]
+    return rows[-1]
+
+
+def draw_opener(openers, seed: int, index: int) -> Opener | None:
+    """The opener of candidate self/<index>: drawn by weight from a hash of (seed, index) alone, so a resumed or
+    re-windowed run draws the same. None without --openers."""
+    return draw_weighted(openers, f"opener/{seed}/{index}")
+
+
+def draw_system(systems, seed: int, stream: str, index: int) -> Opener | None:
+    """The system prompt of candidate <stream>/<index> (--systems): drawn like an opener, from its own hash of
+    (seed, stream, index), so it does not change which opener a candidate draws. None without --systems."""
+    return draw_weighted(systems, f"system/{seed}/{stream}/{index}")
 
 
 NO_OPENER = Opener("", "", 1.0)     # a self row without --openers: the model writes the whole turn, --prompt-tokens
@@ -202,6 +219,31 @@ def read_openers(path: Path) -> list[Opener]:
         out.append(Opener(str(row.get("name", n)), text, weight, cap))
     if not out:
         raise SystemExit(f"synthesize: --openers {path} holds no opener")
+    return out
+
+
+def read_systems(path: Path) -> list[Opener]:
+    """--systems FILE -> [Opener] (name, system prompt text, weight; "" = the template's default system turn);
+    SystemExit naming the line for a malformed one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"synthesize: --systems {path} is not UTF-8 text ({e}); save it as UTF-8 JSONL")
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text, weight = row["text"], float(row.get("weight", 1.0))
+            assert isinstance(text, str) and weight > 0 and math.isfinite(weight)
+        except (ValueError, KeyError, TypeError, AssertionError, AttributeError):
+            raise SystemExit(f"synthesize: {path}:{n} is not a system prompt: want a JSON object with a \"text\" "
+                             f"string (\"\" keeps the template's default system turn) and an optional \"weight\" > 0, "
+                             f'e.g. {{"name": "support", "text": "You are a support agent for Acme.", "weight": 2}}')
+        out.append(Opener(str(row.get("name", n)), text.strip(), weight))
+    if not out:
+        raise SystemExit(f"synthesize: --systems {path} holds no system prompt")
     return out
 
 
@@ -292,10 +334,11 @@ class Item:
 class Synth:
     """Candidates -> engine requests, one turn at a time, with the filters between the turns."""
 
-    def __init__(self, engine, tok, stops, filters, args, mix_prompts, openers=()):
+    def __init__(self, engine, tok, stops, filters, args, mix_prompts, openers=(), systems=()):
         self.engine, self.tok, self.stops, self.filters, self.args = engine, tok, stops, filters, args
         self.mix_prompts = mix_prompts  # [(prompt id, [user texts])], in the seeded shuffled order
         self.openers = list(openers)    # [Opener] (--openers)
+        self.systems = list(systems)    # [Opener] (--systems): system prompts drawn per candidate
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.tokens, self.t0, self.last_post = 0, time.time(), 0.0
         self.pending = deque()          # the engine's queue: requests whose tag is their Item
@@ -307,6 +350,11 @@ class Synth:
     def new_item(self, stream: str, index: int) -> Item:
         row = {"id": f"{stream}/{index}", "source": "self" if stream == "self" else f"mix:{self.args.mix}",
                "messages": list(self.system), "finish_reasons": []}
+        sp = draw_system(self.systems, self.args.seed, stream, index)
+        if sp:
+            row["system_name"] = sp.name
+            if sp.text:
+                row["messages"] = [{"role": "system", "content": sp.text}]
         if stream == "self":
             row["user_finish_reasons"] = []
             o = draw_opener(self.openers, self.args.seed, index) or NO_OPENER
@@ -482,6 +530,7 @@ def run_config(args, tok, pool=None) -> dict:
             "temperature": args.temperature, "prompt_temperature": args.prompt_temperature,
             "mix": file_hash(args.mix) if args.mix else None,
             "openers": file_hash(args.openers) if args.openers else None,
+            **({"systems": file_hash(args.systems)} if args.systems else {}),
             "heldout": [file_hash(p) for p in [*F.HELDOUT_DEFAULTS, *args.heldout]],
             "filters": {k: getattr(F, k) for k in ("REPEAT_NGRAM", "MAX_REPEATED_NGRAM_SHARE", "MIN_LINE_CHARS",
                                                    "MAX_SAME_LINE", "MIN_ZLIB_BYTES", "MIN_ZLIB_RATIO",
@@ -550,6 +599,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--turns", type=int, choices=[1, 2], default=1, help="user turns per conversation")
     ap.add_argument("--system", default="", help="system turn (default: the template's own)")
+    ap.add_argument("--systems", type=Path, help="JSONL of {name, text, weight}: system prompts drawn by weight, one "
+                                                 "per conversation (\"\" = the template's own; "
+                                                 "data/default/systems.jsonl)")
     ap.add_argument("--mix", type=Path, help="prompt file (data.prepare formats) whose prompts make up --mix-ratio")
     ap.add_argument("--mix-ratio", type=float, default=0.0, help="share of the rows answered from --mix, 0..1")
     ap.add_argument("--openers", type=Path, help="JSONL of {name, text, weight}: the text a self-written user turn "
@@ -600,8 +652,10 @@ def parse_args(argv):
                 ap.error(f"{name}: {e}")
     if args.out.is_dir():
         ap.error(f"--out {args.out} is a folder: give the path of a JSONL file, e.g. {args.out / 'rows.jsonl'}")
+    if args.system and args.systems:
+        ap.error("--system and --systems exclude each other: one system prompt for every row, or a file to draw from")
     for name, path in [("--mix", args.mix)] * bool(args.mix) + [("--openers", args.openers)] * bool(args.openers) + \
-            [("--heldout", p) for p in args.heldout]:
+            [("--systems", args.systems)] * bool(args.systems) + [("--heldout", p) for p in args.heldout]:
         if not path.is_file():
             ap.error(f"{name} {path}: no such file")
     return args
@@ -646,6 +700,7 @@ def run(args, argv) -> dict:
 
     filters = F.Filters(F.heldout_prompts([*F.HELDOUT_DEFAULTS, *args.heldout]))
     openers = read_openers(args.openers) if args.openers else []
+    systems = read_systems(args.systems) if args.systems else []
     stats = {s: F.empty_stats() for s in STREAMS}
     for st in stats.values() if pool else ():
         st["rejected"][SERVER_ERROR] = 0
@@ -664,7 +719,7 @@ def run(args, argv) -> dict:
     nxt = {s: stream_of(rows[-1])[1] + 1 if rows else 0 for s, rows in written.items()}
     kept0 = sum(st["kept"] for st in stats.values())
     mix_prompts = read_mix(args) if want["mix"] else []
-    max_len = check_max_len(args, tok, openers, mix_prompts)
+    max_len = check_max_len(args, tok, openers, mix_prompts, systems)
     if pool and pool.max_len and max_len > pool.max_len:
         raise SystemExit(f"synthesize: a conversation may need {max_len:,} tokens, more than the server's context "
                          f"({pool.max_len:,}, max_model_len at /v1/models): lower --max-new-tokens or --prompt-tokens, "
@@ -683,7 +738,7 @@ def run(args, argv) -> dict:
         print(f"synthesize: nothing to do ({kept0:,} rows >= {args.num:,})")
         return summarize(config, stats, nxt, runs)
     engine, model = load_engine(args, max_len) if not pool else (ServerEngine(pool, args.seed), None)
-    synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers)
+    synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers, systems)
     from tqdm import tqdm
     bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
     sink = Sink(args.out)
@@ -755,7 +810,7 @@ def short_message(args, argv, stats, want, nxt, stopped) -> str | None:
     return "\n".join(lines)
 
 
-def check_max_len(args, tok, openers, mix_prompts) -> int:
+def check_max_len(args, tok, openers, mix_prompts, systems=()) -> int:
     """-> the engine's tokens per slot: the template and, per turn, the longest user turn and the answer cap.
     SystemExit when that passes the model's max_position_embeddings (a huge "prompt_tokens" in the openers file
     would otherwise ask the engine for a KV cache of that length)."""
@@ -765,7 +820,8 @@ def check_max_len(args, tok, openers, mix_prompts) -> int:
                          key=lambda o: len(encode(tok, o.text)) + (o.prompt_tokens or args.prompt_tokens))
     opener_len = (len(encode(tok, longest_opener.text)) + (longest_opener.prompt_tokens or args.prompt_tokens)
                   if longest_opener else args.prompt_tokens)
-    template = len(encode(tok, user_opening(tok, [{"role": "system", "content": args.system}] if args.system else [])))
+    template = max(len(encode(tok, user_opening(tok, [{"role": "system", "content": text}] if text else [])))
+                   for text in [args.system] + [sp.text for sp in systems])   # the longest system turn
     user_len = max(opener_len, args.prompt_tokens, longest_mix)
     max_len = template + args.turns * (user_len + args.max_new_tokens + 2 * TURN_OVERHEAD)
     limit = max_positions(Path(args.model or args.tokenizer))

@@ -43,10 +43,20 @@ def test_categories_sources_and_rows(rows):
         assert eval_dflash.prompt_messages(r) == r["messages"]     # the evaluator fills the placeholder
 
 
+def test_system_rows(rows):
+    """The system category: an app's system prompt, then one user request; no two share either."""
+    system = [r for r in rows if r["category"] == "system"]
+    assert len(system) == len(broad_eval.SYSTEM) >= MIN_PER_CATEGORY
+    assert all([m["role"] for m in r["messages"]] == ["system", "user"] for r in system)
+    for k in (0, 1):
+        assert len({r["messages"][k]["content"] for r in system}) == len(system)
+    assert all(eval_dflash.prompt_messages(r) == r["messages"] for r in system)
+
+
 def test_hand_written_prompts_are_not_near_duplicates_of_each_other(rows):
     filters = F.Filters()
-    firsts = [r for r in rows if r["category"] in broad_eval.HAND_WRITTEN]
-    assert len(firsts) == sum(map(len, broad_eval.HAND_WRITTEN.values()))
+    firsts = [r for r in rows if r["category"] in [*broad_eval.HAND_WRITTEN, "system"]]
+    assert len(firsts) == sum(map(len, broad_eval.HAND_WRITTEN.values())) + len(broad_eval.SYSTEM)
     reasons = [(r["id"], filters.check(r)) for r in firsts]            # each admitted, then the next checked
     assert [(i, why) for i, why in reasons if why] == []
 

@@ -390,6 +390,75 @@ def test_shipped_openers_file_parses():
     assert len({o.name for o in ops}) == len(ops) and any(o.text == "" for o in ops)
 
 
+def test_systems_give_each_conversation_its_own(tmp_path, qwen3_dir, scripted):
+    """--systems: each candidate (self and mix) draws a system prompt by weight from (seed, stream, index) alone
+    (rows equal for 1 and 7 slots); the row keeps the system message and its name, the user turn is written after
+    that system turn, "" keeps the template's default (Qwen3's: none), the openers drawn are those of a run without
+    --systems, a changed file refuses a resume, and --system with --systems is a usage error."""
+    ops = write_openers(tmp_path / "openers.jsonl", [{"name": "free", "text": "", "weight": 1},
+                                                     {"name": "py", "text": "Write a Python function that"}])
+    acme = "You are the support desk of Acme Widgets."
+    sys_file = write_openers(tmp_path / "systems.jsonl", [{"name": "default", "text": "", "weight": 1},
+                                                          {"name": "acme", "text": acme, "weight": 2}])
+    mix = ["--mix", "data/default/train_prompts.jsonl", "--mix-ratio", "0.2"]
+    files = []
+    for slots in (1, 7):
+        out = tmp_path / f"s{slots}.jsonl"
+        syn.main(["--model", str(qwen3_dir), "--num", "30", "--out", str(out), "--prompt-tokens", "24",
+                  "--max-new-tokens", "16", "--batch-size", str(slots), "--openers", str(ops),
+                  "--systems", str(sys_file), *mix])
+        files.append((by_id(out), by_id(syn.rejected_path(out))))
+    assert files[0] == files[1]
+    rows = list(files[0][0].values()) + list(files[0][1].values())
+    names = {r["id"]: r["system_name"] for r in rows}
+    assert set(names.values()) == {"default", "acme"}
+    assert {r["id"].split("/")[0] for r in rows if r["system_name"] == "acme"} == {"self", "mix"}
+    for r in rows:
+        roles = [m["role"] for m in r["messages"]]
+        if r["system_name"] == "acme":
+            assert r["messages"][0] == {"role": "system", "content": acme} and roles.count("system") == 1
+        else:
+            assert "system" not in roles
+    tok = cached_tokenizer(str(qwen3_dir))
+    writes = [tok.decode(p) for p in scripted.engines[0].prompts if tok.decode(p).endswith("<|im_start|>user\n")]
+    assert any(acme + "<|im_end|>\n<|im_start|>user\n" in w for w in writes)
+    assert any("<|im_start|>system" not in w for w in writes)
+    # the opener draw has its own hash: a run without --systems draws the same openers
+    syn.main(["--model", str(qwen3_dir), "--num", "30", "--out", str(tmp_path / "plain.jsonl"), "--prompt-tokens",
+              "24", "--max-new-tokens", "16", "--openers", str(ops), *mix])
+    plain = {**by_id(tmp_path / "plain.jsonl"), **by_id(syn.rejected_path(tmp_path / "plain.jsonl"))}
+    shared = set(plain) & set(names)
+    assert len(shared) >= 20 and all(plain[i].get("opener") == files[0][0].get(i, files[0][1].get(i)).get("opener")
+                                     for i in shared)
+    draws = [syn.draw_system(syn.read_systems(sys_file), 0, "self", i).name for i in range(3000)]
+    assert abs(draws.count("acme") / 3000 - 2 / 3) < 0.035                     # the weights, within 4 SEs
+    write_openers(sys_file, [{"text": "You are terse."}])
+    with pytest.raises(SystemExit, match="systems: was"):
+        syn.main(["--model", str(qwen3_dir), "--num", "30", "--out", str(tmp_path / "s1.jsonl"), "--prompt-tokens",
+                  "24", "--max-new-tokens", "16", "--openers", str(ops), "--systems", str(sys_file), *mix])
+    with pytest.raises(SystemExit) as e:
+        syn.main(["--model", str(qwen3_dir), "--num", "3", "--out", str(tmp_path / "x.jsonl"), "--system", "Hi.",
+                  "--systems", str(sys_file)])
+    assert e.value.code == 2
+
+
+def test_systems_file_errors_and_the_shipped_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    for line in ('{"name": "x"}', '{"text": 3}', '{"text": "ok", "weight": -1}', '["a list"]', "not json"):
+        bad.write_text('{"text": "fine"}\n' + line + "\n")
+        with pytest.raises(SystemExit, match="bad.jsonl:2 is not a system prompt"):
+            syn.read_systems(bad)
+    bad.write_text("\n\n")
+    with pytest.raises(SystemExit, match="holds no system prompt"):
+        syn.read_systems(bad)
+    shipped = syn.read_systems(Path("data/default/systems.jsonl"))
+    assert len({s.name for s in shipped}) == len(shipped) >= 25 and any(s.text == "" for s in shipped)
+    # the broad evaluation set's system prompts are not among those the shipped file trains on
+    broad = [json.loads(line) for line in Path("data/default/eval_broad.jsonl").read_text().splitlines()]
+    held = {m["content"].strip() for r in broad for m in r["messages"] if m["role"] == "system"}
+    assert held and not held & {s.text for s in shipped}
+
+
 def test_attempts_cap_and_changed_settings(tmp_path, qwen3_dir, scripted, capsys):
     scripted.never_stop = True  # every user turn runs into --prompt-tokens
     out = tmp_path / "t.jsonl"
