@@ -65,11 +65,11 @@ SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config va
 
 # --- objective ------------------------------------------------------------------------------------------------------
 MAX_ANCHORS = 2048          # blocks per micro-batch (anchors sampled without replacement, fresh every step); 125 per
-                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md section 6: density at equal GPU time).
+                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md: anchor density at equal GPU time).
                             # SpecForge's num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch
 MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
 GAMMA = 7.0                 # LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
-LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md section 6)
+LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md)
                             # | exp (exp(-(k-1)/GAMMA), the paper's)
 DPACE_ALPHA = 0.5           # D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
 NOISE = 0.0                 # uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
@@ -101,7 +101,7 @@ COMPILE_TARGET = False      # torch.compile each target decoder layer (one proce
 TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
 DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, DRAFTER_FP8_RECIPE)
                             # with HEAD_FP8 and COMPILE_DRAFTER=layers: 1.24x the drafter step at Qwen3-8B shapes,
-                            # tau within noise; slower at small hidden sizes (BENCHMARKS.md section 2)
+                            # tau within noise; slower at small hidden sizes (BENCHMARKS.md, throughput)
 DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # | rowwise | tensorwise: torchao's recipes (model/fp8.py)
 HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradient) in FP8, per-row scales (SM89+)
 DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)

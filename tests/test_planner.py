@@ -287,7 +287,7 @@ def test_head_fp8_adds_its_two_e4m3_copies_and_a_chunks_quantised_gradient():
 
 def test_target_fp8_stores_the_tapped_layers_linear_weights_in_e4m3():
     """TARGET_FP8's saving against the one-process trainer's measured peaks on an H200 (bench/fp8_h200.py's trainer
-    part, 2026-12-03, BENCHMARKS.md section 2): bf16 57.16 GiB, TARGET_FP8 51.06 GiB, so 6.10 GiB less; the estimate
+    part, 2026-12-03, BENCHMARKS.md, throughput): bf16 57.16 GiB, TARGET_FP8 51.06 GiB, so 6.10 GiB less; the estimate
     must save the same within 5%, and keep the embedding and the untapped layers in bf16."""
     hf = bd.hf_config("qwen3-8b")
     s = planner.model_sizes(hf)
