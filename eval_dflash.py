@@ -95,8 +95,9 @@ class PromptTooLong(ValueError):
 # ---------------------------------------------------------------------------
 # Prompts
 
-def load_prompts(path, limit=None) -> list[dict]:
+def load_prompts(path, limit=None, categories=None) -> list[dict]:
     """The rows of a prompts JSONL, each checked (check_row) so that a bad row fails here, before any model loads.
+    categories: select_categories' spec ("chat,explain" keeps those, "-system" leaves that one out), applied first;
     limit: that many rows, dealt round-robin over the categories in file order (each category's first rows), so a
     limited run still covers every category; the kept rows stay in file order."""
     rows = []
@@ -116,7 +117,53 @@ def load_prompts(path, limit=None) -> list[dict]:
     seen = Counter(r["id"] for r in rows)
     if dup := sorted(str(i) for i, c in seen.items() if c > 1):
         raise ValueError(f"{path}: ids must be unique (results are paired by id); repeated: {', '.join(dup[:10])}")
+    if categories:
+        rows = select_categories(rows, categories, path)
     return spread(rows, limit) if limit else rows
+
+
+def select_categories(rows, spec: str, where="prompts") -> list[dict]:
+    """The rows of the categories `spec` names: a comma list, "a,b" keeps only those, "-a,-b" keeps all but those
+    (a row without `category` is "all"); ValueError naming the file's categories for a name it does not have."""
+    names = [c.strip() for c in spec.split(",") if c.strip()]
+    drop = {c[1:] for c in names if c.startswith("-")}
+    keep = {c for c in names if not c.startswith("-")}
+    if keep and drop:
+        raise ValueError(f"--categories {spec!r}: either names to keep or names to leave out (-name), not both")
+    have = list(dict.fromkeys(r.get("category", "all") for r in rows))
+    if unknown := sorted((keep | drop) - set(have)):
+        raise ValueError(f"--categories: {where} has no category {', '.join(map(repr, unknown))}; it has "
+                         f"{', '.join(have)}")
+    return [r for r in rows if (r.get("category", "all") in keep if keep else r.get("category", "all") not in drop)]
+
+
+def refused_by_template(tokenizer, rows, enable_thinking=None) -> list[tuple[dict, str]]:
+    """(row, the template's message) for each messages row the chat template will not render (e.g. a template
+    without a system role: "System role not supported"); an answer placeholder is rendered as a stand-in answer."""
+    out = []
+    for row in rows:
+        if "input_ids" in row:
+            continue
+        msgs = [m if m.get("content") is not None else {"role": m["role"], "content": "..."}
+                for m in prompt_messages(row)]
+        try:
+            render(tokenizer, msgs, enable_thinking, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - jinja's raise_exception, or any other template failure
+            out.append((row, f"{type(e).__name__}: {e}"))
+    return out
+
+
+def template_refusal_message(refused, prompts) -> str:
+    """One error for refused_by_template's list: how many of `prompts`, which categories, the first message, and
+    the fix: the categories every prompt of which is refused can be left out with --categories."""
+    cats = Counter(r.get("category", "all") for r, _ in refused)
+    sizes = Counter(r.get("category", "all") for r in prompts)
+    whole = [c for c in cats if cats[c] == sizes[c]]
+    row, why = refused[0]
+    fix = (f"leave them out with --categories={','.join('-' + c for c in whole)}, or give the template the role it "
+           f"lacks" if len(whole) == len(cats) else "fix those rows, or give the template the role it lacks")
+    return (f"the target's chat template refuses {len(refused)} of {len(prompts)} prompts (by category: "
+            f"{', '.join(f'{c} {n} of {sizes[c]}' for c, n in cats.items())}; e.g. {row['id']!r}: {why}): {fix}")
 
 
 def check_row(row) -> str | None:
@@ -1044,6 +1091,9 @@ def main(argv=None):
     p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
     p.add_argument("--limit", type=int, default=None,
                    help="N prompts only, dealt round-robin over the categories (each category's first ones)")
+    p.add_argument("--categories", default=None,
+                   help="comma list of the prompts' categories to evaluate (chat,explain), or to leave out "
+                        "(-system); applied before --limit")
     p.add_argument("--thinking", choices=["auto", "on", "off"], default="auto",
                    help="enable_thinking for the chat template: the same as the training data (auto: template default)")
     p.add_argument("--skip-long", action="store_true", help="skip prompts over the context limit (default: error)")
@@ -1062,10 +1112,15 @@ def main(argv=None):
     a.drafter = [drafter_folder(d) for d in a.drafter]
     errs = check_args(a)
     try:
-        prompts = load_prompts(a.prompts, a.limit)
+        prompts = load_prompts(a.prompts, a.limit, a.categories)
         if not prompts:
             raise ValueError(f"{a.prompts} has no prompt rows (JSONL, one object per line with `messages`, `prompt` "
                              f"or `input_ids`)")
+        tok_dir = Path(a.target).expanduser()
+        if not errs and not a.shard and (tok_dir / "tokenizer_config.json").exists():   # before any model loads
+            tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+            if refused := refused_by_template(tok, prompts, {"auto": None, "on": True, "off": False}[a.thinking]):
+                raise ValueError(template_refusal_message(refused, prompts))
     except (OSError, ValueError) as e:
         errs.append(f"--prompts: {e}")
     if errs:
@@ -1086,7 +1141,8 @@ def main(argv=None):
         results = run_here(a, prompts)
     for path, res in zip(a.drafter, results):
         res["config"] |= {"target": str(Path(a.target).expanduser()), "drafter": str(path),
-                          "prompts_file": str(a.prompts), "torch": torch.__version__, "workers": workers}
+                          "prompts_file": str(a.prompts), "categories": a.categories, "limit": a.limit,
+                          "torch": torch.__version__, "workers": workers}
     out = results[0] if len(results) == 1 else {"drafters": [{"drafter": str(d)} | r
                                                             for d, r in zip(a.drafter, results)]}
     if a.out:

@@ -162,19 +162,28 @@ def eval_inputs(tok, stats: dict) -> dict:
     (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was trained. tok: TARGET's
     tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
     path = Path(EVAL_PROMPTS or REPO / "data" / "default" / "eval_broad.jsonl")
+    thinking = stats.get("thinking")
     try:
-        prompts = eval_dflash.load_prompts(path, limit=EVAL_LIMIT)
+        prompts = eval_dflash.load_prompts(path)
         for row in prompts:
             if "input_ids" not in row:
                 eval_dflash.prompt_messages(row)
                 if tok is None:
                     raise ValueError(f"prompt {row['id']!r} is text, and TARGET={TARGET} has no tokenizer to encode "
                                      f"it: give its rows as input_ids")
+        # prompts TARGET's template will not render (a template without a system role, and the broad set's system
+        # category) are left out, said once: the evaluation follows the run's progress on what the target can take
+        if tok is not None and (refused := eval_dflash.refused_by_template(tok, prompts, {"on": True, "off": False}
+                                                                              .get(thinking))):
+            print(f"note: EVAL_PROMPTS: {eval_dflash.template_refusal_message(refused, prompts)}; the in-training "
+                  f"evaluation leaves them out", flush=True)
+            prompts = [r for r in prompts if all(r is not x for x, _ in refused)]
+        prompts = eval_dflash.spread(prompts, EVAL_LIMIT) if EVAL_LIMIT else prompts
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         sys.exit(f"error: EVAL_PROMPTS={path}: {type(e).__name__ + ': ' if not isinstance(e, ValueError) else ''}{e}")
     if not prompts:
-        sys.exit(f"error: EVAL_PROMPTS={path} holds no prompts (a JSONL of prompts, see eval_dflash.py)")
-    thinking = stats.get("thinking")
+        sys.exit(f"error: EVAL_PROMPTS={path} holds no prompts the target can take (a JSONL of prompts, see "
+                 f"eval_dflash.py)")
     return {"prompts": prompts, "path": path, "enable_thinking": {"on": True, "off": False}.get(thinking), "tok": tok}
 
 

@@ -701,6 +701,7 @@ def run(args, argv) -> dict:
     filters = F.Filters(F.heldout_prompts([*F.HELDOUT_DEFAULTS, *args.heldout]))
     openers = read_openers(args.openers) if args.openers else []
     systems = read_systems(args.systems) if args.systems else []
+    check_system_role(tok, [args.system] + [sp.text for sp in systems])
     stats = {s: F.empty_stats() for s in STREAMS}
     for st in stats.values() if pool else ():
         st["rejected"][SERVER_ERROR] = 0
@@ -808,6 +809,19 @@ def short_message(args, argv, stats, want, nxt, stopped) -> str | None:
                  f"start a new --out with a higher --prompt-temperature or --prompt-tokens (settings that shape "
                  f"the rows cannot change on resume)")
     return "\n".join(lines)
+
+
+def check_system_role(tok, texts):
+    """SystemExit when a system turn is asked for (--system, --systems) and the chat template will not render one
+    (e.g. "System role not supported"): before any model loads, not as a traceback at the first row."""
+    text = next((t for t in texts if t), None)
+    if text is None:
+        return
+    try:
+        user_opening(tok, [{"role": "system", "content": text}])
+    except Exception as e:  # noqa: BLE001 - jinja's raise_exception, or any other template failure
+        raise SystemExit(f"synthesize: the chat template refuses a system turn ({type(e).__name__}: {e}); drop "
+                         f"--system / --systems, or give the template a system role")
 
 
 def check_max_len(args, tok, openers, mix_prompts, systems=()) -> int:

@@ -66,6 +66,22 @@ def tiny_smollm2(tmp_path_factory):
     return out
 
 
+NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                      "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def no_system_target(tmp_path_factory, tiny_smollm2):
+    """tiny_smollm2 with a chat template that refuses the system role, as some models' templates do."""
+    import shutil
+    out = tmp_path_factory.mktemp("no_system") / "target"
+    shutil.copytree(tiny_smollm2, out)
+    (out / "chat_template.jinja").write_text(NO_SYSTEM_TEMPLATE)
+    return out
+
+
 @pytest.fixture(scope="session")
 def build_drafter():
     """build_drafter(target_dir, num_layers=2, block_size=4, seed=0, **kw) -> Drafter (fp32, CPU).

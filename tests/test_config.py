@@ -187,3 +187,19 @@ def test_eval_dflash_takes_a_hub_id_target(tmp_path, monkeypatch, tiny_qwen3_dir
                         tree_top_k=4, workers=1, method="decode", drafter=[])
     errs = eval_dflash.check_args(a)
     assert a.target == str(snap) and not any("--target" in e for e in errs), errs
+
+
+def test_in_training_evaluation_leaves_out_what_the_template_refuses(monkeypatch, no_system_target, tiny_smollm2,
+                                                                      capsys):
+    """The default EVAL_PROMPTS (the broad set) with a target whose template has no system role: the system
+    category is left out, said once at start-up, and EVAL_LIMIT is dealt over the other nine categories; a
+    template that takes them keeps all ten."""
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(td, "EVAL_PROMPTS", "")
+    monkeypatch.setattr(td, "EVAL_LIMIT", 20)
+    got = td.eval_inputs(AutoTokenizer.from_pretrained(no_system_target), {})
+    cats = [r["category"] for r in got["prompts"]]
+    assert len(cats) == 20 and "system" not in cats and len(set(cats)) == 9
+    assert "note: EVAL_PROMPTS: the target's chat template refuses 30 of 313 prompts" in capsys.readouterr().out
+    full = td.eval_inputs(AutoTokenizer.from_pretrained(tiny_smollm2), {})
+    assert len({r["category"] for r in full["prompts"]}) == 10 and "note:" not in capsys.readouterr().out

@@ -5,6 +5,7 @@ rows with answer placeholders; tools.tau_diff."""
 import gzip
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -447,6 +448,46 @@ def test_limit_spreads_over_categories(tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["id"] for r in eval_dflash.load_prompts(f, limit=5)] == ["a0", "a1", "b0", "b1", "c0"]
     assert len(eval_dflash.load_prompts(f, limit=50)) == 12
+
+
+def test_categories_keep_or_leave_out(tmp_path):
+    rows = [{"id": f"{c}{i}", "category": c, "prompt": "x"} for c in "abc" for i in range(4)] + [{"prompt": "y"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = lambda **kw: [r["id"] for r in eval_dflash.load_prompts(f, **kw)]          # noqa: E731
+    assert ids(categories="b") == ["b0", "b1", "b2", "b3"]
+    assert ids(categories="a, all") == ["a0", "a1", "a2", "a3", "p.jsonl:13"]
+    assert ids(categories="-a,-b,-all") == ["c0", "c1", "c2", "c3"]
+    assert ids(categories="-c", limit=3) == ["a0", "b0", "p.jsonl:13"]     # selected first, then dealt
+    with pytest.raises(ValueError, match="has no category 'd'; it has a, b, c, all"):
+        ids(categories="a,d")
+    with pytest.raises(ValueError, match="not both"):
+        ids(categories="a,-b")
+
+
+def test_prompts_the_template_refuses_fail_before_the_target_loads(tmp_path, monkeypatch, build_drafter,
+                                                                    no_system_target, capsys):
+    """A target whose chat template has no system role, on the broad set: the run stops before any model loads,
+    naming the category and --categories=-system; with it, the rest runs."""
+    from transformers import AutoTokenizer
+    broad = Path("data/default/eval_broad.jsonl")
+    tok = AutoTokenizer.from_pretrained(no_system_target)
+    refused = eval_dflash.refused_by_template(tok, eval_dflash.load_prompts(broad))
+    assert {r["category"] for r, _ in refused} == {"system"} and len(refused) == 30
+    assert all("System role not supported" in why for _, why in refused)
+    ran = []
+    monkeypatch.setattr(eval_dflash, "run_here", lambda a, prompts, *_, **__: ran.append(prompts) or [])
+    export_drafter(build_drafter(no_system_target, num_layers=1, block_size=B), tmp_path / "d")
+    argv = ["--target", str(no_system_target), "--drafter", str(tmp_path / "d"), "--prompts", str(broad)]
+    with pytest.raises(SystemExit) as e:
+        eval_dflash.main(argv)
+    assert "refuses 30 of 313 prompts (by category: system 30 of 30; e.g. 'system/00': TemplateError: System role " \
+           "not supported): leave them out with --categories=-system" in str(e.value)
+    assert ran == []
+    monkeypatch.setattr(eval_dflash, "write_json", lambda *a: None)
+    monkeypatch.setattr(eval_dflash, "report_lines", lambda res: [])
+    eval_dflash.main(argv + ["--categories=-system"])
+    assert len(ran[0]) == 283 and "system" not in {r["category"] for r in ran[0]}
 
 
 @pytest.mark.parametrize("row, problem", [

@@ -686,3 +686,11 @@ def test_rows_written_twice_are_refused_not_counted(tmp_path, qwen3_dir, scripte
     with pytest.raises(SystemExit, match="hold 1 id\\(s\\) more than once .*Keep the first row of each id"):
         synth(qwen3_dir, out, 10)
     assert out.read_bytes() == before
+
+
+def test_a_template_without_a_system_role_refuses_system_prompts(no_system_target):
+    tok = syn.load_tokenizer(str(no_system_target))
+    with pytest.raises(SystemExit, match=r"refuses a system turn \(TemplateError: System role not supported\); drop "
+                                         r"--system / --systems"):
+        syn.check_system_role(tok, ["", "You are terse."])
+    assert syn.check_system_role(tok, ["", ""]) is None     # the template's default only: nothing asked of it
