@@ -40,10 +40,11 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_
 mkdir -p "$WORK/gen" "$OUT"
 if [ "$SMOKE" = 1 ]; then   # a few rows and steps: the whole chain on a CPU in minutes
     K=${K:-6}; SLOTS=8; STEPS=${STEPS:-4}; BUDGET=512; ANCHORS=16; LAYERS=1; DEV=cpu; DT=float32; EVAL_NEW=16
-    LIM=(--limit 4); LOG_EVERY=1
+    LIM=(--limit 4); FAST_LIM=(--limit 4); LOG_EVERY=1
 else
     K=${K:-6000}; SLOTS=2048; STEPS=${STEPS:-1200}; BUDGET=8192; ANCHORS=4096; LAYERS=5; DEV=cuda; DT=bfloat16
     EVAL_NEW=128; LIM=(); LOG_EVERY=100
+    FAST_LIM=(--limit "${FAST_LIMIT:-100}")   # batch-1 decoding: 10 prompts a category, ~1 minute per dtype
 fi
 # an arm trains on 2K rows (12,000 on the GPU; round 3's large arm 6K): k N is N tenths of K
 k() { echo $(( $1 * K / 10 )); }
@@ -168,10 +169,10 @@ part_eval() {
 print(max(r, key=lambda x: x.get('tau_macro', x['tau']))['drafter'])")
     say "best by macro tau on the broad set: $best"
     $PY eval_dflash.py --method fast --target "$SMOL" --drafter "$best" --prompts data/default/eval_broad.jsonl \
-        "${LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype bfloat16 --device "$DEV" --skip-long \
+        "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype bfloat16 --device "$DEV" --skip-long \
         --out "$OUT/fast_bf16.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -8
     $PY eval_dflash.py --method fast --target "$SMOL" --drafter "$best" --prompts data/default/eval_broad.jsonl \
-        "${LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --drafter-dtype bfloat16 --device "$DEV" --skip-long \
+        "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --drafter-dtype bfloat16 --device "$DEV" --skip-long \
         --out "$OUT/fast_fp32_bf16drafter.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -8
     for a in $ARMS; do IFS=: read -r name sets extra <<< "$a"     # (each device call has its own $OUT)
         cp "$WORK/prep_$name/stats.json" "$OUT/prep_${name}_stats.json" 2>/dev/null || true
