@@ -60,7 +60,7 @@ long2:$(k 4):$W:2:1:0:768:$S t6:$(k 8):$W:1:2:0.6:384:$S"}
     3) W="$WIN_OPENERS"; S="$WIN_SYSTEMS"
        SETS=${SETS:-"w1:$(k 48):$W:1:0:0:384:$S w2:$(k 12):$W:2:1:0:384:$S"}
        ARMS=${ARMS:-"base:w1@$(k 16)+w2@$(k 4): steps3000:w1@$(k 16)+w2@$(k 4):--MAX_STEPS=$(( STEPS * 5 / 2 )) \
-data3x_steps3000:w1+w2:--MAX_STEPS=$(( STEPS * 5 / 2 ))"} ;;
+data3x:w1+w2:--MAX_STEPS=$(( STEPS * 5 / 2 ))"} ;;
     4) W="$WIN_OPENERS"; S="$WIN_SYSTEMS"
        SETS=${SETS:-"w1:$(k 16):$W:1:0:0:384:$S w2:$(k 4):$W:2:1:0:384:$S"}
        ARMS=${ARMS:-"base:w1+w2: block8:w1+w2:--BLOCK_SIZE=8 layers8:w1+w2:--NUM_DRAFT_LAYERS=8"} ;;

@@ -79,7 +79,8 @@ def fmt(x, spec=".3f"):
 
 
 def table(s: dict) -> str:
-    lines = [f"round {s['round']}: macro tau on the broad set (10 categories weighted equally), paired against "
+    n_cats = max((len(r["categories"]) for r in s["arms"]), default=0)
+    lines = [f"round {s['round']}: macro tau on the broad set ({n_cats} categories weighted equally), paired against "
              f"{s['arms'][0]['arm']}; 204 = eval_prompts.jsonl (164 HumanEval + 40 MT-Bench)",
              f"{'arm':<12} {'step':>5} {'rows':>7} {'train_s':>8} {'macro':>6} {'+-SE':>6} {'vs base':>8} {'+-SE':>6} "
              f"{'weakest':>20} {'tau204':>7}"]
