@@ -13,7 +13,8 @@
 #                 $OUT/summary.json (per arm: macro, categories, the 204-prompt tau, training seconds)
 # Rounds (ROUND=1..4; SETS and ARMS override them):
 #   1  what the prompts are: code-leaning openers (today's) against general openers, 20% two-turn, and the same
-#      with a system prompt per conversation (--systems)
+#      with a system prompt per conversation (--systems); the general arm again at another training seed, for the
+#      spread that a difference is read against
 #   2  what the answers are, on round 1's winner (WIN_OPENERS, WIN_SYSTEMS): a 384- against a 768-token answer cap,
 #      half the answers sampled at T=0.6, 40% two-turn
 #   3  how much and how long, on the winner's recipe: 3,000 steps against 1,200 on 16K conversations, then 48K
@@ -52,7 +53,8 @@ case $ROUND in
     1) SETS=${SETS:-"code:$(k 20):openers:1:0:0:384:- gen1:$(k 16):openers_general:1:0:0:384:- \
 gen2:$(k 4):openers_general:2:1:0:384:- sys1:$(k 16):openers_general:1:0:0:384:systems \
 sys2:$(k 4):openers_general:2:1:0:384:systems"}
-       ARMS=${ARMS:-"code:code: general:gen1+gen2: systems:sys1+sys2:"} ;;
+       # general_s1: the same data, another training seed: the seeds' spread on the broad macro, in the same round
+       ARMS=${ARMS:-"code:code: general:gen1+gen2: systems:sys1+sys2: general_s1:gen1+gen2:--SEED=1"} ;;
     2) W="$WIN_OPENERS"; S="$WIN_SYSTEMS"
        SETS=${SETS:-"w1:$(k 16):$W:1:0:0:384:$S w2:$(k 8):$W:2:1:0:384:$S long1:$(k 16):$W:1:0:0:768:$S \
 long2:$(k 4):$W:2:1:0:768:$S t6:$(k 8):$W:1:2:0.6:384:$S"}

@@ -65,13 +65,20 @@ def summarize(out: Path, round_: str, arms: str, sets: str) -> dict:
                 _, m204 = category_diffs(b["per_prompt"], o["per_prompt"])
                 row["diff_204_macro"], row["diff_204_macro_se"] = m204["mean"], m204["se"]
         rows.append(row)
+    by_arm = {arm_of(d["drafter"]): d for d in broad}
+    seeds = []   # an arm X_sN against X: the same data and steps, another training seed
+    for arm, d in by_arm.items():
+        twin = arm.rsplit("_s", 1)[0]
+        if twin != arm and twin in by_arm and arm.rsplit("_s", 1)[1].isdigit():
+            _, macro = category_diffs(by_arm[twin]["per_prompt"], d["per_prompt"])
+            seeds.append({"arm": arm, "twin": twin, "macro_diff": macro["mean"], "macro_diff_se": macro["se"]})
     fast = {}
     for name in ("fast_bf16", "fast_fp32_bf16drafter"):
         r = read_json(out / f"{name}.json")
         if r:
             fast[name] = {"speedup": r.get("speedup"), "tau": r.get("tau"), "tau_macro": r.get("tau_macro"),
                           "lossless": r.get("lossless"), "drafter": (r.get("config") or {}).get("drafter")}
-    return {"round": round_, "sets": sets.split(), "arms": rows, "fast": fast}
+    return {"round": round_, "sets": sets.split(), "arms": rows, "seeds": seeds, "fast": fast}
 
 
 def fmt(x, spec=".3f"):
@@ -93,6 +100,10 @@ def table(s: dict) -> str:
     lines.append("tau per category: " + "  ".join(f"{r['arm']}" for r in s["arms"]))
     for c in cats:
         lines.append(f"  {c:<14} " + "  ".join(fmt(r["categories"].get(c)) for r in s["arms"]))
+    for d in s["seeds"]:
+        lines.append(f"seeds: {d['arm']} minus {d['twin']} (same data, another training seed): macro "
+                     f"{fmt(d['macro_diff'], '+.3f')} +- {fmt(d['macro_diff_se'])}: differences between arms of about "
+                     f"this size are the seeds', not the lever's")
     for name, f in s["fast"].items():
         lines.append(f"{name}: speedup {fmt(f['speedup'], '.2f')}x, tau {fmt(f['tau'], '.2f')}, macro "
                      f"{fmt(f['tau_macro'], '.2f')}, lossless {f['lossless']} ({arm_of(f['drafter'] or '')})")
