@@ -176,6 +176,12 @@ print(max(r, key=lambda x: x.get('tau_macro', x['tau']))['drafter'])")
     $PY eval_dflash.py --method fast --target "$SMOL" --drafter "$best" --prompts data/default/eval_broad.jsonl \
         "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --drafter-dtype bfloat16 --device "$DEV" --skip-long \
         --out "$OUT/fast_fp32_bf16drafter.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -8
+    # where the lossless step's time goes (fp32 target, bf16 drafter): kernels by device time, graph replays timed
+    local prof=(--time 200 --profile 10); [ "$SMOKE" = 1 ] && prof=(--time 2)
+    $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype float32 --drafter-dtype bfloat16 \
+        --drafter-layers "$LAYERS" --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_fp32_bf16drafter.txt" 2>&1 || \
+        say "count_ops failed (rc $?)"
+    grep -a "time per step" "$OUT/fast_steps_fp32_bf16drafter.txt" || true
     for a in $ARMS; do IFS=: read -r name sets extra <<< "$a"     # (each device call has its own $OUT)
         cp "$WORK/prep_$name/stats.json" "$OUT/prep_${name}_stats.json" 2>/dev/null || true
         cp "$WORK/runs/$name/metrics.jsonl" "$OUT/metrics_$name.jsonl" 2>/dev/null || true; done

@@ -306,10 +306,11 @@ def test_step_kernel_counts(tiny_llama_dir):
 
 def test_step_timing_restarts_every_run(tiny_llama_dir):
     """tools/count_ops --time: every timed run starts from the prompt's end, so N runs fit caches sized for the prompt
-    and two blocks (without the restart the third speculative step would write past them); bf16 builds too."""
-    for dtype in (torch.float32, torch.bfloat16):
-        fast, d = count_ops.build(str(tiny_llama_dir), B, 2, dtype=dtype)
-        assert fast.max_len == len(count_ops.PROMPT) + 2 * B and d.kv.dtype == dtype
+    and two blocks (without the restart the third speculative step would write past them); bf16 builds too, and a
+    bf16 drafter under an fp32 target (--drafter-dtype)."""
+    for dtype, drafter_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)):
+        fast, d = count_ops.build(str(tiny_llama_dir), B, 2, dtype=dtype, drafter_dtype=drafter_dtype)
+        assert fast.max_len == len(count_ops.PROMPT) + 2 * B and d.kv.dtype == (drafter_dtype or dtype)
         ms = count_ops.time_steps(fast, d, 6)
         assert set(ms) == {"greedy", "speculative"} and all(v > 0 for v in ms.values())
         assert len(count_ops.PROMPT) + 1 <= int(fast.start) <= len(count_ops.PROMPT) + B

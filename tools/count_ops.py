@@ -3,7 +3,7 @@ replay's cost at batch 1 with a small model, where every kernel is launch-bound 
 reads per forward on an H200 against ~4 ms a greedy step).
 
     python -m tools.count_ops [--target DIR] [--block-size 16] [--drafter-layers 5] [--device cuda --profile 20]
-        [--dtype float32|bfloat16] [--max-len 1024] [--time 200]
+        [--dtype float32|bfloat16] [--drafter-dtype bfloat16] [--max-len 1024] [--time 200]
 
 Runs one _greedy_step and one _spec_step eagerly under a TorchDispatchMode after a short prompt's prefill, with a
 random drafter (op counts do not depend on weights: the steps have static shapes). Each op is charged to the
@@ -92,9 +92,10 @@ def kernels(c: OpCounter) -> int:
 PROMPT = list(range(1, 9))    # token ids of the prefill before the counted steps
 
 
-def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32, max_len=0):
+def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32, max_len=0, drafter_dtype=None):
     """-> (FastDecoder after a prefill, DraftState with the prompt's context written); max_len: the static caches'
-    positions (0: just enough for the prompt and two blocks)."""
+    positions (0: just enough for the prompt and two blocks); drafter_dtype: the drafter's (None: the target's),
+    as eval_dflash --drafter-dtype runs it."""
     from transformers import AutoModelForCausalLM
     from model.drafter import Drafter, DrafterConfig
     from model.fastdecode import FastDecoder
@@ -103,7 +104,7 @@ def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32,
                                     mask_token_id=model.config.vocab_size - 1)
     torch.manual_seed(0)
     fast = FastDecoder(model.to(device), max(max_len, len(PROMPT) + 2 * block_size))
-    d = fast.drafter(Drafter(cfg).to(device, dtype).eval(), block_size)
+    d = fast.drafter(Drafter(cfg).to(device, drafter_dtype or dtype).eval(), block_size)
     with torch.no_grad():
         d.write(fast._prefill(PROMPT, d.taps), fast.positions[:len(PROMPT)])
     return fast, d
@@ -155,11 +156,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the counts are the same; --profile differs)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N eager runs of each step")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafter dtype")
+    ap.add_argument("--drafter-dtype", default=None, choices=("float32", "bfloat16"),
+                    help="the drafter's, when not the target's (eval_dflash --drafter-dtype)")
     ap.add_argument("--max-len", type=int, default=0, help="static cache positions (0: prompt + 2 blocks)")
     ap.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs of each step (CUDA graphs "
                                                                        "on a GPU)")
     a = ap.parse_args(argv)
-    fast, d = build(a.target, a.block_size, a.drafter_layers, a.device, getattr(torch, a.dtype), a.max_len)
+    fast, d = build(a.target, a.block_size, a.drafter_layers, a.device, getattr(torch, a.dtype), a.max_len,
+                    getattr(torch, a.drafter_dtype) if a.drafter_dtype else None)
     greedy, spec = count(fast._greedy_step), count(lambda: fast._spec_step(d))
     if a.profile:
         print(f"greedy step x {a.profile}\n{profile(fast, fast._greedy_step, a.profile)}\n")
@@ -171,7 +175,8 @@ def main(argv=None):
     if a.time:
         ms = time_steps(fast, d, a.time)
         how = "CUDA-graph replays" if fast.cuda_graphs else "eager runs"
-        print(f"time per step ({a.time} {how}, {a.dtype}, {fast.max_len}-position caches, {a.device}): greedy "
+        dts = a.dtype + (f", drafter {a.drafter_dtype}" if a.drafter_dtype else "")
+        print(f"time per step ({a.time} {how}, {dts}, {fast.max_len}-position caches, {a.device}): greedy "
               f"{ms['greedy']:.3f} ms, speculative {ms['speculative']:.3f} ms "
               f"({ms['speculative'] / ms['greedy']:.2f}x): a drafter of tau {ms['speculative'] / ms['greedy']:.2f} "
               f"breaks even")
