@@ -4,7 +4,8 @@
 # them on the broad set and the 204-prompt set, diffs every arm against the first (paired SE per category and macro),
 # and runs the fast decode loop on the best (bf16, and fp32 target + bf16 drafter). Parts fit 10-minute device calls
 # and resume from what the last left under $WORK:
-#   PART=setup1   wheels from .whl/ into /tmp/site; the GGUF's first half (.gguf/part-aa) to $WORK
+#   PART=setup1   wheels from .whl/ into /tmp/site; the GGUF's first half (.gguf/part-aa) to $WORK; the GPU tests
+#                 (GPU_TESTS=0 skips them)
 #   PART=setup2   join with .gguf/part-ab and convert (tools.smollm2)
 #   PART=gen      the round's sets (data.synthesize, resumable: rerun to go on), all bounded by GEN_SECONDS
 #   PART=prep     data.prepare of each arm's rows
@@ -75,6 +76,11 @@ part_setup1() {
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     cp .gguf/part-aa "$WORK/gguf.part-aa"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    # the GPU paths the CPU suite cannot reach (flex attention, FP8, the CE kernel), on this machine's torch
+    [ "${GPU_TESTS:-1}" = 1 ] && { timeout 300 $PY -m pytest -q -o addopts=-rs -p no:cacheprovider \
+        tests/test_flex_cuda.py tests/test_fp8.py tests/test_ce_kernel.py > "$OUT/gpu_tests.txt" 2>&1 || true
+        tail -4 "$OUT/gpu_tests.txt"; }
+    return 0
 }
 
 part_setup2() {
