@@ -1,6 +1,7 @@
 """Have the target write the assistant turns itself, so the drafter learns the target's distribution.
 
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --model PATH          # local (model.engine)
+        [--systems data/default/systems.jsonl]
     python -m data.regenerate --input prompts.jsonl --output regen.jsonl --endpoint http://127.0.0.1:30000 \
         [http://10.0.0.2:30000 ...] [--served-model NAME] --concurrency 32                    # SGLang / vLLM servers
 
@@ -11,6 +12,9 @@ assistant turns of a row are what gets regenerated and are not read (prompt-only
 (default) every original assistant turn is dropped and the target answers each user turn in order; `--turns last`
 keeps the conversation up to its last user (or tool) turn and regenerates only the final answer. Output rows: the
 input row with `messages` replaced and `finish_reasons` added (one per generated turn: "stop" or "length").
+`--systems data/default/systems.jsonl` gives each row without a system message of its own one drawn by weight (from
+--seed and the row id alone, as data.synthesize --systems draws), so the answers are written, and trained on, under
+the variety of system prompts served traffic comes with; the output row keeps it.
 
 Local generation runs model.engine (continuous batching, CUDA graphs; `--batch-size` slots, 0 = as many as fit in
 free GPU memory, `--max-len` tokens each); `--engine hf` runs transformers `generate` instead, the slow reference.
@@ -45,6 +49,7 @@ from pathlib import Path
 
 from data import openai_client as oc
 from data import resume
+from data import weighted
 from data.chat import ROLE_ALIASES, RowError, has_reasoning, normalize_messages
 from data.prepare import read_rows
 from model.hub import resolve_model_path
@@ -101,9 +106,19 @@ def prompt_turns(row, turns: str) -> tuple[list[dict], list[dict]]:
     return [m for m in msgs if m["role"] == "system"][:1], [m for m in msgs if m["role"] == "user"]
 
 
-def read_prompts(path: Path, turns: str, limit: int = 0):
+def with_system(history: list[dict], systems, seed: int, rid: str) -> list[dict]:
+    """history with a system prompt drawn by weight from `systems` (--systems; from a hash of --seed and the row id
+    alone) when it has none of its own; "" (the template's default) or no --systems leaves it as it is."""
+    sp = weighted.draw(systems, f"system/{seed}/{rid}")
+    if not sp or not sp.text or any(m["role"] == "system" for m in history):
+        return history
+    return [{"role": "system", "content": sp.text}] + history
+
+
+def read_prompts(path: Path, turns: str, limit: int = 0, systems=(), seed: int = 0):
     """-> (list of (row, history, asks), Counter of skipped reasons, duplicate ids). SystemExit when `path` cannot
-    be read at all; a bad row is skipped, counted, and the first few are printed with their file:line."""
+    be read at all; a bad row is skipped, counted, and the first few are printed with their file:line. systems:
+    --systems' rows (with_system)."""
     prompts, skipped, ids, dupes = [], Counter(), set(), 0
     for n, (src, text, err, detail) in enumerate(read_rows(path), 1):
         if limit and n > limit:
@@ -123,7 +138,7 @@ def read_prompts(path: Path, turns: str, limit: int = 0):
             dupes += 1
             continue
         ids.add(rid)
-        prompts.append((row, history, asks))
+        prompts.append((row, with_system(history, systems, seed, rid), asks))
     return prompts, skipped, dupes
 
 
@@ -373,6 +388,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0 = all)")
+    ap.add_argument("--systems", type=Path, help="JSONL of {name, text, weight}: a system prompt drawn by weight for "
+                                                 "each row without one of its own (data/default/systems.jsonl)")
     args = ap.parse_args(argv)
     if bool(args.model) == bool(args.endpoint):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
@@ -389,6 +406,8 @@ def main(argv=None) -> dict:
             args.model = str(resolve_model_path(args.model))
         except FileNotFoundError as e:
             ap.error(f"--model: {e}")
+    if args.systems and not args.systems.is_file():
+        ap.error(f"--systems {args.systems}: no such file")
     if args.output.is_dir():
         ap.error(f"--output {args.output} is a folder: give the path of a JSONL file, e.g. "
                  f"{args.output / 'regen.jsonl'}")
@@ -401,7 +420,11 @@ def main(argv=None) -> dict:
 
 def run(args) -> dict:
     thinking = {"on": True, "off": False, "auto": None}[args.thinking]
-    prompts, skipped, dupes = read_prompts(args.input, args.turns, args.limit)
+    systems = []
+    if args.systems:
+        systems = weighted.read(args.systems, "regenerate", "--systems", "a system prompt", '{"name": "support", '
+                                '"text": "You are a support agent for Acme.", "weight": 2}', strip=True)
+    prompts, skipped, dupes = read_prompts(args.input, args.turns, args.limit, systems, args.seed)
     done = read_done(args.output)
     todo = [p for p in prompts if row_id(p[0]) not in done]
     why = ", ".join(f"{r} {n:,}" for r, n in skipped.most_common())

@@ -99,17 +99,17 @@ import shlex
 import signal
 import sys
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
-
-from collections import Counter, deque
 
 from data import filters as F
 from data import openai_client as oc
 from data import resume
+from data import weighted
 from data.chat import end_of_turn, render, template_hash
 from data.regenerate import read_prompts, row_id
+from data.weighted import Weighted
 from model.engine import Request
 from model.hub import resolve_model_path
 
@@ -161,90 +161,35 @@ def sample_key(stream: str, index: int, turn: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # 62 bits: room for the engine's own arithmetic on it
 
 
-class Opener(NamedTuple):
-    name: str
-    text: str
-    weight: float
-    prompt_tokens: int | None = None  # the cap on the model's continuation of it (None: --prompt-tokens)
-
-
-def draw_weighted(rows, key: str):
-    """One of `rows` (each with a .weight), drawn by weight from a hash of `key` alone; None when there are none."""
-    if not rows:
-        return None
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    u = (int.from_bytes(digest, "little") >> 11) / 2 ** 53 * sum(o.weight for o in rows)   # uniform in [0, total)
-    for o in rows:
-        u -= o.weight
-        if u < 0:
-            return o
-    return rows[-1]
+Opener = Weighted     # an --openers or --systems row (data/weighted.py)
 
 
 def draw_opener(openers, seed: int, index: int) -> Opener | None:
     """The opener of candidate self/<index>: drawn by weight from a hash of (seed, index) alone, so a resumed or
     re-windowed run draws the same. None without --openers."""
-    return draw_weighted(openers, f"opener/{seed}/{index}")
+    return weighted.draw(openers, f"opener/{seed}/{index}")
 
 
 def draw_system(systems, seed: int, stream: str, index: int) -> Opener | None:
     """The system prompt of candidate <stream>/<index> (--systems): drawn like an opener, from its own hash of
     (seed, stream, index), so it does not change which opener a candidate draws. None without --systems."""
-    return draw_weighted(systems, f"system/{seed}/{stream}/{index}")
+    return weighted.draw(systems, f"system/{seed}/{stream}/{index}")
 
 
 NO_OPENER = Opener("", "", 1.0)     # a self row without --openers: the model writes the whole turn, --prompt-tokens
 
 
 def read_openers(path: Path) -> list[Opener]:
-    """--openers FILE -> [Opener]; SystemExit naming the line for a malformed one."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"synthesize: --openers {path} is not UTF-8 text ({e}); save it as UTF-8 JSONL")
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            text, weight, cap = row["text"], float(row.get("weight", 1.0)), row.get("prompt_tokens")
-            assert isinstance(text, str) and weight > 0 and math.isfinite(weight)
-            assert cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise SystemExit(f"synthesize: {path}:{n} is not an opener: want a JSON object with a \"text\" string "
-                             f"(\"\" leaves the model free), an optional \"weight\" > 0 and an optional "
-                             f"\"prompt_tokens\" integer >= 1, e.g. "
-                             f'{{"name": "code", "text": "Write a Python function that", "weight": 10}}')
-        out.append(Opener(str(row.get("name", n)), text, weight, cap))
-    if not out:
-        raise SystemExit(f"synthesize: --openers {path} holds no opener")
-    return out
+    """--openers FILE -> [Opener] ("" text: the model writes freely); SystemExit naming the line of a bad row."""
+    return weighted.read(path, "synthesize", "--openers", "an opener",
+                         '{"name": "code", "text": "Write a Python function that", "weight": 10}', caps=True)
 
 
 def read_systems(path: Path) -> list[Opener]:
-    """--systems FILE -> [Opener] (name, system prompt text, weight; "" = the template's default system turn);
-    SystemExit naming the line for a malformed one."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"synthesize: --systems {path} is not UTF-8 text ({e}); save it as UTF-8 JSONL")
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            text, weight = row["text"], float(row.get("weight", 1.0))
-            assert isinstance(text, str) and weight > 0 and math.isfinite(weight)
-        except (ValueError, KeyError, TypeError, AssertionError, AttributeError):
-            raise SystemExit(f"synthesize: {path}:{n} is not a system prompt: want a JSON object with a \"text\" "
-                             f"string (\"\" keeps the template's default system turn) and an optional \"weight\" > 0, "
-                             f'e.g. {{"name": "support", "text": "You are a support agent for Acme.", "weight": 2}}')
-        out.append(Opener(str(row.get("name", n)), text.strip(), weight))
-    if not out:
-        raise SystemExit(f"synthesize: --systems {path} holds no system prompt")
-    return out
+    """--systems FILE -> [Opener] ("" text: the template's default system turn); SystemExit naming the line of a
+    bad row."""
+    return weighted.read(path, "synthesize", "--systems", "a system prompt",
+                         '{"name": "support", "text": "You are a support agent for Acme.", "weight": 2}', strip=True)
 
 
 # --- files ----------------------------------------------------------------------------------------------------------

@@ -342,6 +342,37 @@ def test_http_turns_last(tmp_path, server):
     assert server.requests == {"alpha": 1, "q1": 1, "gamma": 1}  # one request per conversation
 
 
+def test_http_systems_give_rows_without_one_a_system_prompt(tmp_path, server):
+    """--systems: a row without a system message gets one drawn by weight from (seed, row id) alone, sent to the
+    server and kept in the output; "" leaves the template's default; a row with its own keeps it; a bad file stops
+    the run before any request."""
+    acme = "You are the support desk of Acme Widgets."
+    systems = write_jsonl(tmp_path / "systems.jsonl", [{"name": "default", "text": "", "weight": 1},
+                                                        {"name": "acme", "text": acme, "weight": 2}])
+    rows = [{"id": f"q{i}", "messages": [user(f"question {i}")]} for i in range(40)] + [PROMPTS[1]]
+    inp = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    run(inp, tmp_path / "a.jsonl", server, "--systems", str(systems))
+    out = by_id(tmp_path / "a.jsonl")
+    got = {i: r["messages"][0]["content"] if r["messages"][0]["role"] == "system" else "" for i, r in out.items()}
+    assert got["b"] == SYSTEM["content"]                                        # its own, not replaced
+    drawn = [got[f"q{i}"] for i in range(40)]
+    assert set(drawn) == {"", acme} and 18 <= drawn.count(acme) <= 36           # weight 2 of 3: ~27 of 40
+    for i in range(40):
+        assert out[f"q{i}"]["messages"][-2:] == [user(f"question {i}"), assistant(answer(f"question {i}"))]
+    sent = {b["messages"][-1]["content"]: b["messages"][0] for b in server.bodies}
+    assert all((sent[f"question {i}"] == {"role": "system", "content": acme}) == (drawn[i] == acme)
+               for i in range(40))
+    run(inp, tmp_path / "again.jsonl", server, "--systems", str(systems))      # the draw: (seed, id) alone
+    assert by_id(tmp_path / "again.jsonl") == out
+    run(inp, tmp_path / "seed1.jsonl", server, "--systems", str(systems), "--seed", "1")
+    assert by_id(tmp_path / "seed1.jsonl") != out
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"text": "x", "weight": 0}])
+    n = len(server.bodies)
+    with pytest.raises(SystemExit, match="regenerate: .*bad.jsonl:2 is not a system prompt"):
+        run(inp, tmp_path / "b.jsonl", server, "--systems", str(bad))
+    assert len(server.bodies) == n
+
+
 @pytest.mark.parametrize("thinking, sent", [("on", {"enable_thinking": True}), ("off", {"enable_thinking": False}),
                                             ("auto", None)])
 def test_http_thinking_switch(tmp_path, server, thinking, sent):
