@@ -109,7 +109,6 @@ from data import resume
 from data import weighted
 from data.chat import end_of_turn, render, template_hash
 from data.regenerate import read_prompts, row_id
-from data.weighted import Weighted
 from model.engine import Request
 from model.hub import resolve_model_path
 
@@ -161,7 +160,7 @@ def sample_key(stream: str, index: int, turn: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # 62 bits: room for the engine's own arithmetic on it
 
 
-Opener = Weighted     # an --openers or --systems row (data/weighted.py)
+Opener = weighted.Weighted     # an --openers or --systems row
 
 
 def draw_opener(openers, seed: int, index: int) -> Opener | None:
