@@ -18,7 +18,7 @@
 #      spread that a difference is read against
 #   2  what the answers are, on round 1's winner (WIN_OPENERS, WIN_SYSTEMS): a 384- against a 768-token answer cap,
 #      half the answers sampled at T=0.6, 40% two-turn
-#   3  how much and how long, on the winner's recipe: 3,000 steps against 1,200 on 16K conversations, then 48K
+#   3  how much and how long, on the winner's recipe: 3,000 steps against 1,200 on 12K conversations, then 36K
 #      conversations at 3,000 steps (tau against training seconds: summary.json has both)
 #   4  the drafter's shape at equal data and steps: BLOCK_SIZE 8, 8 layers, against 16 and 5 (a comparison at equal
 #      steps is one at equal GPU time only where the steps cost the same: read the arms' training seconds)
@@ -48,7 +48,7 @@ else
     EVAL_NEW=128; LIM=(); LOG_EVERY=100
     FAST_LIM=(--limit "${FAST_LIMIT:-100}")   # batch-1 decoding: 10 prompts a category, ~1 minute per dtype
 fi
-# an arm trains on 2K rows (12,000 on the GPU; round 3's large arm 6K): k N is N tenths of K
+# an arm trains on 2K rows (K=6000 on the GPU: 12,000; round 3's large arm 6K = 36,000): k N is N tenths of K
 k() { echo $(( $1 * K / 10 )); }
 case $ROUND in
     1) SETS=${SETS:-"code:$(k 20):openers:1:0:0:384:- gen1:$(k 16):openers_general:1:0:0:384:- \
