@@ -95,6 +95,9 @@ class PromptTooLong(ValueError):
 # ---------------------------------------------------------------------------
 # Prompts
 
+THINKING = {"auto": None, "on": True, "off": False}   # --thinking -> enable_thinking
+
+
 def load_prompts(path, limit=None, categories=None) -> list[dict]:
     """The rows of a prompts JSONL, each checked (check_row) so that a bad row fails here, before any model loads.
     categories: select_categories' spec ("chat,explain" keeps those, "-system" leaves that one out), applied first;
@@ -978,7 +981,7 @@ def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
     try:
         return evaluate_drafters(model, tokenizer, drafters, prompts, a.block_size, a.max_new_tokens, a.tree_budget,
                                  device, tree_top_k=a.tree_top_k, shard=shard, log=log,
-                                 enable_thinking={"auto": None, "on": True, "off": False}[a.thinking],
+                                 enable_thinking=THINKING[a.thinking],
                                  on_too_long="skip" if a.skip_long else "error", method=a.method,
                                  cuda_graphs=a.cuda_graphs == "on")
     except PromptTooLong as e:
@@ -1119,7 +1122,7 @@ def main(argv=None):
         tok_dir = Path(a.target).expanduser()
         if not errs and not a.shard and (tok_dir / "tokenizer_config.json").exists():   # before any model loads
             tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-            if refused := refused_by_template(tok, prompts, {"auto": None, "on": True, "off": False}[a.thinking]):
+            if refused := refused_by_template(tok, prompts, THINKING[a.thinking]):
                 raise ValueError(template_refusal_message(refused, prompts))
     except (OSError, ValueError) as e:
         errs.append(f"--prompts: {e}")

@@ -177,7 +177,8 @@ def eval_inputs(tok, stats: dict) -> dict:
                                                                               .get(thinking))):
             print(f"note: EVAL_PROMPTS: {eval_dflash.template_refusal_message(refused, prompts)}; the in-training "
                   f"evaluation leaves them out", flush=True)
-            prompts = [r for r in prompts if all(r is not x for x, _ in refused)]
+            left_out = {r["id"] for r, _ in refused}
+            prompts = [r for r in prompts if r["id"] not in left_out]
         prompts = eval_dflash.spread(prompts, EVAL_LIMIT) if EVAL_LIMIT else prompts
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         sys.exit(f"error: EVAL_PROMPTS={path}: {type(e).__name__ + ': ' if not isinstance(e, ValueError) else ''}{e}")

@@ -109,10 +109,10 @@ def prompt_turns(row, turns: str) -> tuple[list[dict], list[dict]]:
 def with_system(history: list[dict], systems, seed: int, rid: str) -> list[dict]:
     """history with a system prompt drawn by weight from `systems` (--systems; from a hash of --seed and the row id
     alone) when it has none of its own; "" (the template's default) or no --systems leaves it as it is."""
-    sp = weighted.draw(systems, f"system/{seed}/{rid}")
-    if not sp or not sp.text or any(m["role"] == "system" for m in history):
+    if any(m["role"] == "system" for m in history):
         return history
-    return [{"role": "system", "content": sp.text}] + history
+    sp = weighted.draw(systems, f"system/{seed}/{rid}")
+    return [{"role": "system", "content": sp.text}] + history if sp and sp.text else history
 
 
 def read_prompts(path: Path, turns: str, limit: int = 0, systems=(), seed: int = 0):
