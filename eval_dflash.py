@@ -77,7 +77,7 @@ from data.chat import render
 from model.engine import SUPPORTED
 from model.drafter import DrafterCache
 from model.export import load_drafter
-from model.fastdecode import FastDecoder
+from model.fastdecode import ATTENTION, FastDecoder
 from model.hub import resolve_model_path
 from model.target import Target
 
@@ -698,7 +698,8 @@ def evaluate(target_model, tokenizer, drafter, prompts, block_size=None, max_new
 
 def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=None, max_new_tokens=MAX_NEW_TOKENS,
                       tree_budget=0, device=None, *, tree_top_k=TREE_TOP_K, enable_thinking=None, on_too_long="error",
-                      reference=None, shard=(0, 1), log=print, method="decode", cuda_graphs=True) -> list[dict]:
+                      reference=None, shard=(0, 1), log=print, method="decode", cuda_graphs=True,
+                      attention="sdpa") -> list[dict]:
     """One result per drafter, over the same prompts, with one warm-up and one greedy reference per prompt for all.
 
     target_model: an HF causal LM (attn_implementation sdpa or eager for trees) or a model.target.Target;
@@ -710,7 +711,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
     log: called with one line per prompt (None: quiet);
     method: "decode" (the decode loop: tau, losslessness, tokens/s), "fast" (the same loop on static caches and
     CUDA graphs, model.fastdecode, with its own greedy as the baseline and reference: block verification only,
-    Drafters only, an HF Llama / Mistral / Qwen2 / Qwen3 target; cuda_graphs=False runs its steps eagerly) or
+    Drafters only, an HF Llama / Mistral / Qwen2 / Qwen3 target; cuda_graphs=False runs its steps eagerly;
+    attention: its attention kernel, model.fastdecode.attend's how) or
     "walk" (walk_evaluate: the same tau and steps from batched greedy references and one forward per prompt,
     without decoding: no speed, no losslessness check; Drafters only)."""
     model = target_model.model if isinstance(target_model, Target) else target_model
@@ -765,7 +767,7 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
                 "dtype": str(model.dtype).replace("torch.", ""),
                 "drafter_dtype": str(getattr(proposer, "dtype", model.dtype)).replace("torch.", ""),
                 "enable_thinking": enable_thinking, "eos_ids": sorted(eos)} \
-            | ({"cuda_graphs": fast.cuda_graphs} if method == "fast" else {})    # called once `fast` exists
+            | ({"cuda_graphs": fast.cuda_graphs, "attention": fast.attention} if method == "fast" else {})
     if method == "walk":
         t0 = time.perf_counter()
         per = walk_evaluate(model, proposers, block_sizes, items, max_new_tokens, eos, tree_budget, tree_top_k,
@@ -776,7 +778,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
 
     modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
     if method == "fast":
-        fast = fast_decoder(model, [ids for _, ids in items], max_new_tokens, max(block_sizes), cuda_graphs)
+        fast = fast_decoder(model, [ids for _, ids in items], max_new_tokens, max(block_sizes), cuda_graphs,
+                            attention)
         states = [fast.drafter(p.drafter, bs) for p, bs in zip(proposers, block_sizes)]
         greedy = lambda ids, m: fast.greedy(ids, m, eos)                                       # noqa: E731
         spec = lambda j, ids, m, budget: fast.speculative(ids, states[j], m, eos)              # noqa: E731
@@ -834,13 +837,13 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
     return results
 
 
-def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs) -> FastDecoder:
+def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs, attention="sdpa") -> FastDecoder:
     """A FastDecoder whose static cache fits every prompt of prompts_ids with max_new_tokens and the last block
     (need <= max_position_embeddings, as evaluate_drafters checked), rounded up to a multiple of 16 positions (the
     attention kernels' alignment) within max_position_embeddings."""
     need = max(map(len, prompts_ids)) + max_new_tokens + block_size - 1
     limit = model.config.get_text_config().max_position_embeddings
-    return FastDecoder(model, min(-(-need // 16) * 16, limit), cuda_graphs=cuda_graphs)
+    return FastDecoder(model, min(-(-need // 16) * 16, limit), cuda_graphs=cuda_graphs, attention=attention)
 
 
 def summarize(per_prompt, skipped, config) -> dict:
@@ -872,7 +875,7 @@ def summarize(per_prompt, skipped, config) -> dict:
             "tokens_per_s": tok_s,
             "speedup": tok_s["dflash"] / tok_s["greedy"],
             "measured_on": {k: config[k] for k in ("device", "device_name", "dtype", "drafter_dtype", "method",
-                                                   "cuda_graphs") if k in config},
+                                                   "cuda_graphs", "attention") if k in config},
             "mismatches": [{"id": r["id"], "dflash": r["mismatch"], "ddtree": r.get("tree_mismatch")}
                            for r in per_prompt if not r["lossless"]],
         }
@@ -939,7 +942,7 @@ def report_lines(res) -> list[str]:
         shared = f" ({workers} workers sharing the device: speed only means something with --workers 1)" \
             if workers > 1 else ""
         loop = "HF decode loop" if c.get("method", "decode") == "decode" else \
-            f"fast loop, {'CUDA graphs' if c['cuda_graphs'] else 'eager'}"
+            f"fast loop, {'CUDA graphs' if c['cuda_graphs'] else 'eager'}, {c.get('attention', 'sdpa')} attention"
         lines.append(f"tok/s on {c['device_name']} ({c['device']}, target {c['dtype']}, drafter {c['drafter_dtype']}, "
                      f"{loop}): "
                      f"greedy {s['greedy']:.1f} | dflash {s['dflash']:.1f} (speedup {res['speedup']:.2f}x)"
@@ -983,7 +986,7 @@ def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
                                  device, tree_top_k=a.tree_top_k, shard=shard, log=log,
                                  enable_thinking=THINKING[a.thinking],
                                  on_too_long="skip" if a.skip_long else "error", method=a.method,
-                                 cuda_graphs=a.cuda_graphs == "on")
+                                 cuda_graphs=a.cuda_graphs == "on", attention=a.attention)
     except PromptTooLong as e:
         sys.exit(f"error: {e}")
 
@@ -1036,6 +1039,9 @@ def check_args(a) -> list[str]:
     if a.method == "fast" and a.tree_budget:
         errs.append(f"--tree-budget {a.tree_budget} with --method fast: the fast loop verifies blocks only; drop "
                     f"--tree-budget, or use --method decode for DDTree")
+    if a.method != "fast" and a.attention != "sdpa":
+        errs.append(f"--attention {a.attention} with --method {a.method}: it picks the fast loop's attention; add "
+                    f"--method fast, or drop --attention")
     try:
         a.target = str(resolve_model_path(a.target))   # a Hub id: its folder in the local Hugging Face cache
     except FileNotFoundError as e:
@@ -1090,6 +1096,10 @@ def main(argv=None):
                         "and one forward per prompt (no speed, no losslessness check)")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                    help="--method fast: replay each step as a CUDA graph (on) or run it eagerly (off; same maths)")
+    p.add_argument("--attention", choices=ATTENTION, default="sdpa",
+                   help="--method fast: the attention of the target and the drafter: SDPA's kernel (sdpa) or two "
+                        "batched matmuls and a float32 softmax (matmul; the same maths, rounded differently). Its "
+                        "greedy baseline uses the same, so the speedup compares like with like")
     p.add_argument("--tree-budget", type=int, default=0, help="DDTree node budget; 0 = block verification only")
     p.add_argument("--tree-top-k", type=int, default=TREE_TOP_K, help="DDTree candidates per slot")
     p.add_argument("--limit", type=int, default=None,

@@ -2,7 +2,8 @@
 # The general-recipe levers on the real SmolLM2, judged on the broad per-category set (macro tau), one round per
 # GPU lease. Each round generates its sets, trains its arms side by side on one GPU at equal data and steps, walks
 # them on the broad set and the 204-prompt set, diffs every arm against the first (paired SE per category and macro),
-# and runs the fast decode loop on the best (bf16, and fp32 target + bf16 drafter). Parts fit 10-minute device calls
+# and runs the fast decode loop on the best (bf16, and fp32 target + bf16 drafter with either attention; the step
+# times of both attentions by count_ops). Parts fit 10-minute device calls
 # and resume from what the last left under $WORK:
 #   PART=setup1   wheels from .whl/ into /tmp/site; the GGUF's first half (.gguf/part-aa) to $WORK; the GPU tests
 #                 (GPU_TESTS=0 skips them)
@@ -179,15 +180,24 @@ print(max(r, key=lambda x: x.get('tau_macro', x['tau']))['drafter'])")
     $PY eval_dflash.py --method fast --target "$SMOL" --drafter "$best" --prompts data/default/eval_broad.jsonl \
         "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype bfloat16 --device "$DEV" --skip-long \
         --out "$OUT/fast_bf16.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -8
-    $PY eval_dflash.py --method fast --target "$SMOL" --drafter "$best" --prompts data/default/eval_broad.jsonl \
-        "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --drafter-dtype bfloat16 --device "$DEV" --skip-long \
-        --out "$OUT/fast_fp32_bf16drafter.json" 2>&1 | grep -v "^Loading\|it/s\]" | tail -8
+    # the lossless speedup with each attention: the fp32 efficient-attention kernel took 125 us a call in greedy
+    # and verify alike (h200_s10), so the fp32 baseline itself may be slow; the matmul one is run with its own
+    # (equally fast-attention) greedy baseline
+    for attn in sdpa matmul; do local sfx=""; [ $attn = matmul ] && sfx=_matmul
+        $PY eval_dflash.py --method fast --target "$SMOL" --drafter "$best" --prompts data/default/eval_broad.jsonl \
+            "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --drafter-dtype bfloat16 --device "$DEV" \
+            --skip-long --attention $attn --out "$OUT/fast_fp32_bf16drafter$sfx.json" 2>&1 | \
+            grep -v "^Loading\|it/s\]" | tail -8; done
     # where the lossless step's time goes (fp32 target, bf16 drafter): kernels by device time, graph replays timed
     local prof=(--time 200 --profile 10); [ "$SMOKE" = 1 ] && prof=(--time 2)
     $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype float32 --drafter-dtype bfloat16 \
         --drafter-layers "$LAYERS" --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_fp32_bf16drafter.txt" 2>&1 || \
         say "count_ops failed (rc $?)"
     grep -a "time per step" "$OUT/fast_steps_fp32_bf16drafter.txt" || true
+    for dt in float32 bfloat16; do for attn in sdpa matmul; do      # the two attentions' step times side by side
+        $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype $dt --drafter-dtype bfloat16 \
+            --drafter-layers "$LAYERS" --max-len 1024 --attention $attn --time "${prof[1]}" 2>&1 | grep -a "time per step"
+    done; done | tee "$OUT/fast_steps_attention.txt"
     for a in $ARMS; do IFS=: read -r name sets extra <<< "$a"     # (each device call has its own $OUT)
         cp "$WORK/prep_$name/stats.json" "$OUT/prep_${name}_stats.json" 2>/dev/null || true
         cp "$WORK/runs/$name/metrics.jsonl" "$OUT/metrics_$name.jsonl" 2>/dev/null || true; done

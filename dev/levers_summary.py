@@ -73,7 +73,7 @@ def summarize(out: Path, round_: str, arms: str, sets: str) -> dict:
             _, macro = category_diffs(by_arm[twin]["per_prompt"], d["per_prompt"])
             seeds.append({"arm": arm, "twin": twin, "macro_diff": macro["mean"], "macro_diff_se": macro["se"]})
     fast = {}
-    for name in ("fast_bf16", "fast_fp32_bf16drafter"):
+    for name in ("fast_bf16", "fast_fp32_bf16drafter", "fast_fp32_bf16drafter_matmul"):
         r = read_json(out / f"{name}.json")
         if r:
             fast[name] = {"speedup": r.get("speedup"), "tau": r.get("tau"), "tau_macro": r.get("tau_macro"),

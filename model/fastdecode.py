@@ -73,6 +73,24 @@ def rotated_sin(sin):
     return torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
 
+ATTENTION = ("sdpa", "matmul")
+
+
+def attend(q, k, v, mask, scale, how):
+    """Attention of q [1, kv, M, D] over k, v [1, kv, L, D] under the additive mask (broadcast to [M, L]) ->
+    [1, kv, M, D]. how="sdpa": F.scaled_dot_product_attention (on CUDA in fp32 its memory-efficient kernel, whose
+    blocks split the queries but not the keys: a decode step's few query rows run on one block per KV head);
+    "matmul": the scores as one batched matmul over all keys (scale and mask fused into it), a float32 softmax, one
+    more matmul, as model.engine's matmul attention (in bf16 the scores round to bf16 before the softmax, as HF's
+    eager attention does). The same maths; they differ in rounding only."""
+    if how == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    kv, M, D, L = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
+    s = torch.baddbmm(mask.expand(kv, M, L), q[0], k[0].transpose(1, 2),
+                      alpha=D ** -0.5 if scale is None else scale)                  # [kv, M, L]
+    return torch.bmm(s.softmax(-1, dtype=torch.float32).to(v.dtype), v[0])[None]
+
+
 def additive_mask(visible, zero, neg_inf):
     """bool visible -> 0 / -inf in the attention's dtype: what SDPA turns a bool mask into, built once per step
     instead of once per layer (3 kernels a layer on the CPU and the GPU alike)."""
@@ -83,7 +101,10 @@ class FastDecoder:
     """The target with a static KV cache of max_len positions (a prompt plus its generated tokens plus B - 1 must
     fit), the greedy and verify steps, and their CUDA graphs (cuda_graphs: None = on CUDA, False = never)."""
 
-    def __init__(self, model, max_len, cuda_graphs=None):
+    def __init__(self, model, max_len, cuda_graphs=None, attention="sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
+        self.attention = attention                                 # attend()'s how, the drafter's too
         cfg = model.config.get_text_config()
         check_family(cfg, fallback="--method decode")   # before its modules are read: a GPT-2 has no .layers
         self.decoder = model.get_decoder()
@@ -109,7 +130,8 @@ class FastDecoder:
 
     def drafter(self, drafter, block_size=None):
         """A Drafter (on the target's device, any dtype) with its own static context cache."""
-        return DraftState(drafter, self.embed, self.lm_head, block_size or drafter.config.block_size, self.max_len)
+        return DraftState(drafter, self.embed, self.lm_head, block_size or drafter.config.block_size, self.max_len,
+                          self.attention)
 
     # --- the target --------------------------------------------------------------------------------------------------
 
@@ -147,7 +169,7 @@ class FastDecoder:
         kc.index_copy_(2, pos, qk[:, :, self.n_heads:].transpose(1, 2))
         vc.index_copy_(2, pos, v.transpose(1, 2))
         q = qk[:, :, :self.n_heads].transpose(1, 2).reshape(1, self.n_kv, self.group * n, D)
-        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=attn.scaling)  # [1, kv, g*n, D]
+        o = attend(q, kc, vc, mask, attn.scaling, self.attention)                # [1, kv, g*n, D]
         x = x + attn.o_proj(o.reshape(1, -1, n, D).transpose(1, 2).reshape(1, n, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
@@ -259,12 +281,13 @@ class DraftState:
     ids of the block, then the accepted count. It copies the drafter's k/v projection and q/k norm weights
     (about 2 * kv_heads * head_dim * H values per layer): build it once the drafter's weights are final."""
 
-    def __init__(self, drafter, embed, lm_head, block_size, max_len):
+    def __init__(self, drafter, embed, lm_head, block_size, max_len, attention="sdpa"):
         drafter = getattr(drafter, "_orig_mod", drafter)          # unwrap torch.compile
         self.drafter = getattr(drafter, "module", drafter)        # unwrap DDP
         c = self.drafter.config
         p = next(self.drafter.parameters())
         self.B, self.taps, self.dtype, self.config = block_size, list(c.target_layer_ids), p.dtype, c
+        self.attention = attention
         self.embed, self.lm_head = embed, lm_head
         L, nh, nkv, D = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.n_heads, self.n_kv, self.group = nh, nkv, nh // nkv
@@ -336,6 +359,6 @@ class DraftState:
         # kernel of some torch versions refuses enable_gqa, and fp32 then takes the math one (k and v repeated, the
         # scores materialised: ~10 kernels)
         q = qk[:, :self.n_heads].transpose(0, 1).reshape(1, self.n_kv, self.group * M, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                       # [1, nkv, group*B, D]
+        o = attend(q, k, v, mask, None, self.attention)                                   # [1, nkv, group*B, D]
         x = x + attn.o_proj(o.reshape(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D))
         return x + layer.mlp(layer.post_attention_layernorm(x))

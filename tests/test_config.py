@@ -184,7 +184,7 @@ def test_eval_dflash_takes_a_hub_id_target(tmp_path, monkeypatch, tiny_qwen3_dir
     for f in tiny_qwen3_dir.iterdir():
         shutil.copy(f, snap / f.name)
     a = SimpleNamespace(target="Qwen/Qwen3-8B", max_new_tokens=8, limit=None, block_size=None, tree_budget=0,
-                        tree_top_k=4, workers=1, method="decode", drafter=[])
+                        tree_top_k=4, workers=1, method="decode", attention="sdpa", drafter=[])
     errs = eval_dflash.check_args(a)
     assert a.target == str(snap) and not any("--target" in e for e in errs), errs
 

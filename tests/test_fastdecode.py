@@ -19,7 +19,7 @@ from model.engine import SUPPORTED
 from eval_dflash import DrafterProposer, encode_prompt, eos_ids, greedy_decode, main, speculative_decode, target_forward
 from model.drafter import DrafterCache, _apply_rope, rope_cos_sin
 from model.export import export_drafter
-from model.fastdecode import DraftState, FastDecoder, rope, rotated_sin
+from model.fastdecode import DraftState, FastDecoder, additive_mask, attend, rope, rotated_sin
 from tools import count_ops
 
 B = 4
@@ -82,9 +82,9 @@ def trained(tiny_qwen3_dir, build_drafter):
     return model, train_briefly(build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B), model, prompts), prompts
 
 
-def same_as_decode(model, drafter, prompts, max_new=MAX_NEW, eos=frozenset()):
+def same_as_decode(model, drafter, prompts, max_new=MAX_NEW, eos=frozenset(), attention="sdpa"):
     """Runs both loops on every prompt, asserts tokens and steps equal -> the steps."""
-    fast = FastDecoder(model, max(map(len, prompts)) + max_new + B - 1)
+    fast = FastDecoder(model, max(map(len, prompts)) + max_new + B - 1, attention=attention)
     proposer, state = DrafterProposer(drafter, model), fast.drafter(drafter, B)
     steps = []
     for p in prompts:
@@ -95,11 +95,11 @@ def same_as_decode(model, drafter, prompts, max_new=MAX_NEW, eos=frozenset()):
     return steps
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_fast_greedy_equals_greedy_decode(family, tiny_llama_dir, tiny_qwen3_dir):
+@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen3", "sdpa"), ("qwen3", "matmul")])
+def test_fast_greedy_equals_greedy_decode(family, attention, tiny_llama_dir, tiny_qwen3_dir):
     model = load({"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[family])
     prompts = random_prompts(128)
-    fast = FastDecoder(model, 30 + 24)
+    fast = FastDecoder(model, 30 + 24, attention=attention)
     free = [greedy_decode(model, p, 24, set()) for p in prompts]
     i = next(i for i in range(3, 24) if free[3][i] not in free[3][:i])
     eos = {free[3][i]}                                         # stops prompt 3 after i + 1 tokens
@@ -122,15 +122,15 @@ def test_fast_greedy_equals_greedy_decode_on_smollm2():
         assert fast.greedy(p, 12, eos) == greedy_decode(model, p, 12, eos)
 
 
-@pytest.mark.parametrize("sliding", [0, 1])
-def test_fast_speculative_equals_decode_with_random_drafters(vocab8, build_drafter, sliding):
+@pytest.mark.parametrize("sliding,attention", [(0, "sdpa"), (1, "sdpa"), (1, "matmul")])
+def test_fast_speculative_equals_decode_with_random_drafters(vocab8, build_drafter, sliding, attention):
     path, model = vocab8
     prompts = random_prompts(8, (3, 11, 26), seed=2)
     steps = []
     for seed in (0, 1):
         d = build_drafter(path, num_layers=2, block_size=B, seed=seed, sliding_window_layers=sliding,
                           sliding_window=6 if sliding else None).eval()
-        steps += same_as_decode(model, d, prompts)
+        steps += same_as_decode(model, d, prompts, attention=attention)
     assert max(s for row in steps for s in row) > 1             # some drafts accepted
 
 
@@ -139,10 +139,39 @@ def test_fast_speculative_equals_decode_on_llama(tiny_llama_dir, build_drafter):
                    random_prompts(128))
 
 
-def test_fast_speculative_equals_decode_with_a_trained_drafter(trained):
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_fast_speculative_equals_decode_with_a_trained_drafter(trained, attention):
     model, drafter, prompts = trained
-    steps = same_as_decode(model, drafter, prompts + random_prompts(128, (9, 17), seed=3))
+    steps = same_as_decode(model, drafter, prompts + random_prompts(128, (9, 17), seed=3), attention=attention)
     assert set(s for row in steps for s in row) == set(range(1, B + 1))   # every accepted length occurs
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_matmul_attention_equals_sdpa(dtype, tol):
+    """attend(how="matmul") against SDPA on the masks the two loops build: the target's [kv heads' folded queries,
+    keys] causal over a cache with unwritten rows past the block, and the drafter's one row of visible keys; with
+    the target's scale and with SDPA's default. Equal up to rounding (bf16: the scores round to bf16 first)."""
+    g = torch.Generator().manual_seed(0)
+    kv, group, n, L, D = 2, 3, 4, 24, 16
+    q = torch.randn(1, kv, group * n, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, kv, L, D, generator=g).to(dtype) for _ in range(2))
+    zero, neg_inf = torch.tensor(0.0, dtype=dtype), torch.tensor(-torch.inf, dtype=dtype)
+    pos, keys = torch.arange(10, 10 + n), torch.arange(L)
+    causal = additive_mask((keys[None] <= pos[:, None]).repeat(group, 1), zero, neg_inf)          # [group*n, L]
+    context = additive_mask(keys < 7, zero, neg_inf)[None]                                     # [1, L]
+    for mask, scale in ((causal, 0.3), (context, None)):
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), scale=scale)
+        got = attend(q, k, v, mask, scale, "matmul")
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        assert attend(q, k, v, mask, scale, "sdpa").equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                          scale=scale))
+    # keys the mask hides do not count: changing them changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 7:], v2[:, :, 7:] = 100, -100
+    assert attend(q, k2, v2, context, None, "matmul").equal(attend(q, k, v, context, None, "matmul"))
+    with pytest.raises(ValueError, match="attention='flash': one of sdpa, matmul"):
+        FastDecoder(None, 8, attention="flash")                 # refused before the model is read
 
 
 def test_attention_output_in_the_cuda_kernels_layout(trained, monkeypatch):
@@ -192,12 +221,18 @@ def test_cli_fast(tiny_qwen3_dir, trained, tmp_path, capsys):
     assert json.loads((tmp_path / "fast.json").read_text()) == json.loads(json.dumps(fast))
     assert fast["measured_on"] == {"device": "cpu", "device_name": f"cpu ({torch.get_num_threads()} threads)",
                                    "dtype": "float32", "drafter_dtype": "float32", "method": "fast",
-                                   "cuda_graphs": False}
+                                   "cuda_graphs": False, "attention": "sdpa"}
     assert fast["speedup"] == fast["tokens_per_s"]["dflash"] / fast["tokens_per_s"]["greedy"] > 0
     assert fast["lossless"] and fast["prompts"] == 3 and fast["tau"] > 1
-    assert "(cpu, target float32, drafter float32, fast loop, eager): greedy" in out
+    assert "(cpu, target float32, drafter float32, fast loop, eager, sdpa attention): greedy" in out
     decode = main(args)
     assert decode["tau"] == fast["tau"] and decode["accept_hist"] == fast["accept_hist"]
+    matmul = main(args + ["--method", "fast", "--attention", "matmul"])
+    assert matmul["measured_on"]["attention"] == "matmul" and matmul["lossless"]
+    assert matmul["tau"] == fast["tau"] and matmul["accept_hist"] == fast["accept_hist"]
+    assert "fast loop, eager, matmul attention): greedy" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--attention matmul with --method decode: it picks the fast loop's"):
+        main(args + ["--attention", "matmul"])
     assert [r["steps"] for r in decode["per_prompt"]] == [r["steps"] for r in fast["per_prompt"]]
     with pytest.raises(SystemExit, match="the fast loop verifies blocks only"):
         main(args + ["--method", "fast", "--tree-budget", "4"])
@@ -302,6 +337,13 @@ def test_step_kernel_counts(tiny_llama_dir):
     assert s["where"] == 0 and spec.counts[("drafter layers", "kernels")]["where"] == 0
     ctx = spec.counts[("context-cache update", "kernels")]
     assert ctx["mm"] == 2 and ctx["index_copy_"] == 1                      # fc, then every layer's k and v
+    # --attention matmul: in every layer of both models, SDPA's kernels become one baddbmm, one softmax, one bmm
+    fast_m, d_m = count_ops.build(str(tiny_llama_dir), B, 2, attention="matmul")
+    spec_m = count_ops.count(lambda: fast_m._spec_step(d_m))
+    for part, layers in (("target layers", len(fast.layers)), ("drafter layers", 2)):
+        m = spec_m.counts[(part, "kernels")]
+        assert not any("scaled_dot_product" in op for op in m), (part, m)
+        assert (m["baddbmm"], m["_softmax"], m["bmm"]) == (layers, layers, layers), (part, m)
 
 
 def test_step_timing_restarts_every_run(tiny_llama_dir):

@@ -24,6 +24,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from model.fastdecode import ATTENTION
 from model.target import DEFAULT_TARGET
 
 # qualname of a function -> the component its ops count for (the innermost one on the stack wins)
@@ -92,10 +93,11 @@ def kernels(c: OpCounter) -> int:
 PROMPT = list(range(1, 9))    # token ids of the prefill before the counted steps
 
 
-def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32, max_len=0, drafter_dtype=None):
+def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32, max_len=0, drafter_dtype=None,
+          attention="sdpa"):
     """-> (FastDecoder after a prefill, DraftState with the prompt's context written); max_len: the static caches'
     positions (0: just enough for the prompt and two blocks); drafter_dtype: the drafter's (None: the target's),
-    as eval_dflash --drafter-dtype runs it."""
+    as eval_dflash --drafter-dtype runs it; attention: FastDecoder's (eval_dflash --attention)."""
     from transformers import AutoModelForCausalLM
     from model.drafter import Drafter, DrafterConfig
     from model.fastdecode import FastDecoder
@@ -103,7 +105,7 @@ def build(target, block_size, drafter_layers, device="cpu", dtype=torch.float32,
     cfg = DrafterConfig.from_target(model.config, drafter_layers, block_size,
                                     mask_token_id=model.config.vocab_size - 1)
     torch.manual_seed(0)
-    fast = FastDecoder(model.to(device), max(max_len, len(PROMPT) + 2 * block_size))
+    fast = FastDecoder(model.to(device), max(max_len, len(PROMPT) + 2 * block_size), attention=attention)
     d = fast.drafter(Drafter(cfg).to(device, drafter_dtype or dtype).eval(), block_size)
     with torch.no_grad():
         d.write(fast._prefill(PROMPT, d.taps), fast.positions[:len(PROMPT)])
@@ -158,12 +160,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target and drafter dtype")
     ap.add_argument("--drafter-dtype", default=None, choices=("float32", "bfloat16"),
                     help="the drafter's, when not the target's (eval_dflash --drafter-dtype)")
+    ap.add_argument("--attention", default="sdpa", choices=ATTENTION,
+                    help="the attention of both steps (eval_dflash --attention)")
     ap.add_argument("--max-len", type=int, default=0, help="static cache positions (0: prompt + 2 blocks)")
     ap.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs of each step (CUDA graphs "
                                                                        "on a GPU)")
     a = ap.parse_args(argv)
     fast, d = build(a.target, a.block_size, a.drafter_layers, a.device, getattr(torch, a.dtype), a.max_len,
-                    getattr(torch, a.drafter_dtype) if a.drafter_dtype else None)
+                    getattr(torch, a.drafter_dtype) if a.drafter_dtype else None, a.attention)
     greedy, spec = count(fast._greedy_step), count(lambda: fast._spec_step(d))
     if a.profile:
         print(f"greedy step x {a.profile}\n{profile(fast, fast._greedy_step, a.profile)}\n")
@@ -175,7 +179,7 @@ def main(argv=None):
     if a.time:
         ms = time_steps(fast, d, a.time)
         how = "CUDA-graph replays" if fast.cuda_graphs else "eager runs"
-        dts = a.dtype + (f", drafter {a.drafter_dtype}" if a.drafter_dtype else "")
+        dts = a.dtype + (f", drafter {a.drafter_dtype}" if a.drafter_dtype else "") + f", {a.attention} attention"
         print(f"time per step ({a.time} {how}, {dts}, {fast.max_len}-position caches, {a.device}): greedy "
               f"{ms['greedy']:.3f} ms, speculative {ms['speculative']:.3f} ms "
               f"({ms['speculative'] / ms['greedy']:.2f}x): a drafter of tau {ms['speculative'] / ms['greedy']:.2f} "
