@@ -188,15 +188,15 @@ print(max(r, key=lambda x: x.get('tau_macro', x['tau']))['drafter'])")
             "${FAST_LIM[@]}" --max-new-tokens "$EVAL_NEW" --dtype float32 --drafter-dtype bfloat16 --device "$DEV" \
             --skip-long --attention $attn --out "$OUT/fast_fp32_bf16drafter$sfx.json" 2>&1 | \
             grep -v "^Loading\|it/s\]" | tail -8; done
-    # where the lossless step's time goes (fp32 target, bf16 drafter): kernels by device time, graph replays timed
-    local prof=(--time 200 --profile 10); [ "$SMOKE" = 1 ] && prof=(--time 2)
+    # where the lossless step's time goes (fp32 target, bf16 drafter): kernels by device time; then each dtype's
+    # and attention's step times (CUDA-graph replays) side by side
+    local reps=200 prof=(--profile 10); [ "$SMOKE" = 1 ] && { reps=2; prof=(); }
     $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype float32 --drafter-dtype bfloat16 \
         --drafter-layers "$LAYERS" --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_fp32_bf16drafter.txt" 2>&1 || \
         say "count_ops failed (rc $?)"
-    grep -a "time per step" "$OUT/fast_steps_fp32_bf16drafter.txt" || true
-    for dt in float32 bfloat16; do for attn in sdpa matmul; do      # the two attentions' step times side by side
+    for dt in float32 bfloat16; do for attn in sdpa matmul; do
         $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype $dt --drafter-dtype bfloat16 \
-            --drafter-layers "$LAYERS" --max-len 1024 --attention $attn --time "${prof[1]}" 2>&1 | grep -a "time per step"
+            --drafter-layers "$LAYERS" --max-len 1024 --attention $attn --time $reps 2>&1 | grep -a "time per step"
     done; done | tee "$OUT/fast_steps_attention.txt"
     for a in $ARMS; do IFS=: read -r name sets extra <<< "$a"     # (each device call has its own $OUT)
         cp "$WORK/prep_$name/stats.json" "$OUT/prep_${name}_stats.json" 2>/dev/null || true
