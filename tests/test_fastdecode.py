@@ -259,7 +259,8 @@ def test_bf16_drafter_with_an_fp32_target_stays_lossless(tiny_qwen3_dir, trained
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
-def test_cuda_graphs_equal_eager_and_the_decode_loop(trained):
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_cuda_graphs_equal_eager_and_the_decode_loop(trained, attention):
     """On a GPU, fp32: graph replays give the eager steps' tokens and steps, and the HF decode loop's; two drafters
     (two graphs sharing the greedy graph's pool) and prompts of several lengths through one decoder."""
     import copy
@@ -271,7 +272,8 @@ def test_cuda_graphs_equal_eager_and_the_decode_loop(trained):
             p += 0.01 * torch.randn_like(p)
     prompts = prompts + random_prompts(128, (9, 17), seed=3)
     n = max(map(len, prompts)) + MAX_NEW + B - 1
-    graphs, eager = FastDecoder(model, n), FastDecoder(model, n, cuda_graphs=False)
+    graphs, eager = FastDecoder(model, n, attention=attention), FastDecoder(model, n, cuda_graphs=False,
+                                                                            attention=attention)
     assert graphs.cuda_graphs and not eager.cuda_graphs
     for d in drafters:
         proposer, sg, se = DrafterProposer(d, model), graphs.drafter(d, B), eager.drafter(d, B)
