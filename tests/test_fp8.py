@@ -2,6 +2,9 @@
 numerics the CPU can run (torchao's per-row quantisation and torch._scaled_mm against an fp32 reference; torchao's
 float8 training in its emulation mode). The FP8 GEMM kernels themselves run only on an SM89+ GPU:
 bench/fp8_h200.py measures them there."""
+import sys
+import types
+
 import pytest
 import torch
 
@@ -11,7 +14,7 @@ from runs import base_args, cpu_rowwise_scaled_mm_missing, make_dataset, make_ta
 
 def needs_torchao():
     pytest.importorskip("torchao", reason="FP8 goes through torchao: pip install -r requirements-fp8.txt "
-                                          "(FP8=1 bash launch.sh; CI installs it)")
+                                          "(FP8=1 bash launch.sh; .ci/run installs it for tests/test_fp8.py)")
 
 
 def test_fp8_needs_an_sm89_gpu(monkeypatch):
@@ -22,6 +25,12 @@ def test_fp8_needs_an_sm89_gpu(monkeypatch):
     msg = fp8.check("DRAFTER_FP8", torch.device("cuda", 0))
     assert msg.startswith("DRAFTER_FP8 needs an SM89+ GPU") and "A100-SXM4-80GB is SM80" in msg, msg
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.check("HEAD_FP8", torch.device("cuda", 0)) is None    # torch._scaled_mm alone: no torchao needed
+    # on SM90 the answer turns on torchao alone, an optional package: both answers, whether or not it is installed
+    monkeypatch.setitem(sys.modules, "torchao", None)                  # `import torchao` raises ImportError
+    assert fp8.check("DRAFTER_FP8", torch.device("cuda", 0)) == (
+        "DRAFTER_FP8 needs torchao, an optional package: pip install -r requirements-fp8.txt, or set --DRAFTER_FP8=False")
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     assert fp8.check("DRAFTER_FP8", torch.device("cuda", 0)) is None
 
 
