@@ -152,7 +152,8 @@ def output_row(row) -> None:
 def read_done(output: Path) -> set[str]:
     """Ids already written (data.resume.read_back: a torn last line is cut off and its prompt redone, nothing else
     is changed; a file of other JSON, e.g. a prompt file given as --output, is refused)."""
-    return {row["id"] for row in resume.read_back(output, "regenerate", output_row)}
+    owned = (resume.owner(output) or ("",))[0] == "regenerate"
+    return {row["id"] for row in resume.read_back(output, "regenerate", output_row, owned)}
 
 
 class Sink:

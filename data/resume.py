@@ -19,6 +19,31 @@ WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")   # what a model folder h
 FINGERPRINT_DATA = 1 << 20                              # bytes of tensor data hashed per weight file after its header
 
 
+SIDE_FILES = {"synthesize": ".rejected.jsonl", "regenerate": ".errors.jsonl"}   # written beside OUT by that tool only
+
+
+def stats_path(out: Path) -> Path:
+    """OUT.stats.json: the settings that made OUT's rows (data.synthesize's counts too)."""
+    return Path(str(out) + ".stats.json")
+
+
+def owner(out: Path) -> tuple[str, Path] | None:
+    """-> (the data tool whose output `out` is, the file beside it that says so), or None: OUT.stats.json's "tool"
+    (a stats file of data.synthesize from before that field: "synthesize"), else OUT.rejected.jsonl (data.synthesize)
+    or OUT.errors.jsonl (data.regenerate), which each tool opens with its output."""
+    stats = stats_path(out)
+    try:
+        obj = json.loads(stats.read_text())
+    except (OSError, ValueError):
+        obj = None
+    if isinstance(obj, dict) and isinstance(obj.get("config"), dict):
+        return obj.get("tool", "synthesize"), stats
+    for tool, suffix in SIDE_FILES.items():
+        if Path(str(out) + suffix).exists():
+            return tool, Path(str(out) + suffix)
+    return None
+
+
 def lock_path(out: Path) -> Path:
     return Path(str(out) + ".lock")
 
@@ -55,13 +80,15 @@ def locked(out: Path, tool: str):
         f.close()
 
 
-def read_back(path: Path, tool: str, check) -> list[dict]:
+def read_back(path: Path, tool: str, check, owned: bool = False) -> list[dict]:
     """The rows earlier runs wrote to `path` ([] when it does not exist), each passed through check(row), which
     raises (ValueError, TypeError, KeyError, AttributeError) for JSON that is not a row of `tool`.
 
-    A last line that does not parse as JSON (a write cut by a kill) is cut off; a complete last row that only lacks
-    its newline gets one, so appends stay valid JSONL. Nothing else is ever changed: a bad line before the last
-    (the rows after it would go too), or a line that parses but is not this tool's row (another file given as the
+    A last line that does not parse as JSON (a write cut by a kill) is cut off when it follows rows of `tool`, or
+    when `owned` (the file's settings say `tool` made it: a kill during its first row); a complete last row that only
+    lacks its newline gets one, so appends stay valid JSONL. Nothing else is ever changed: a bad line before the
+    last (the rows after it would go too), a file whose only line does not parse and that is not known as the
+    tool's (someone's text file), or a line that parses but is not this tool's row (another file given as the
     output, e.g. a prompt file) is SystemExit naming the file."""
     if not path.exists():
         return []
@@ -77,6 +104,9 @@ def read_back(path: Path, tool: str, check) -> list[dict]:
             if n < len(lines):
                 raise SystemExit(f"{tool}: {path}:{n} is not a finished row ({e}); only a torn last line is repaired "
                                  f"by itself: fix or remove this one")
+            if not rows and not owned:
+                raise SystemExit(f"{tool}: {path} is not an output of {tool}: its only line is not JSON ({e}). It "
+                                 f"was left as it is: give another output path, or move this file away")
             print(f"{tool}: dropping a torn last line of {path} ({len(line)} bytes)", file=sys.stderr)
             with open(path, "r+b") as f:
                 f.truncate(len(data) - len(line))

@@ -193,10 +193,10 @@ def read_systems(path: Path) -> list[Opener]:
 
 # --- files ----------------------------------------------------------------------------------------------------------
 
-def read_back(path: Path) -> list[dict]:
+def read_back(path: Path, owned: bool = False) -> list[dict]:
     """Rows already written (data.resume.read_back: a torn last line is cut, nothing else is changed; a file of
-    other JSON, e.g. a prompt file given as --out, is refused)."""
-    return resume.read_back(path, "synthesize", stream_of)
+    other JSON, e.g. a prompt file given as --out, is refused). owned: the stats file says synthesize made it."""
+    return resume.read_back(path, "synthesize", stream_of, owned)
 
 
 def stream_of(row: dict) -> tuple[str, int]:
@@ -242,8 +242,7 @@ def rejected_path(out: Path) -> Path:
     return Path(str(out) + ".rejected.jsonl")  # beside OUT, as data.regenerate's OUT.errors.jsonl
 
 
-def stats_path(out: Path) -> Path:
-    return Path(str(out) + ".stats.json")
+stats_path = resume.stats_path
 
 
 def write_json(path: Path, obj):
@@ -630,7 +629,8 @@ def run(args, argv) -> dict:
     pool = connect(args, tok) if args.endpoint else None   # the probe, before anything is written
     config = run_config(args, tok, pool)
     written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
-    back = read_back(args.out) + read_back(rejected_path(args.out))
+    owned = (resume.owner(args.out) or ("",))[0] == "synthesize"
+    back = read_back(args.out, owned) + read_back(rejected_path(args.out), owned)
     twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
     if twice:   # two runs wrote at once (before OUT.lock): counting the copies as rows would overshoot --num
         raise SystemExit(f"synthesize: {args.out} and its rejected file hold {len(twice):,} id(s) more than once (e.g. "

@@ -131,6 +131,17 @@ def test_an_output_that_is_not_regenerate_output_is_refused(tmp_path):
         assert e.value.code == 2 and inp.read_bytes() == before
 
 
+def test_a_one_line_text_file_as_output_is_refused_not_cut(tmp_path):
+    """A file whose only line is not JSON (no final newline) is someone's file, not a torn row: refused, byte for
+    byte as it was, the message naming the file and the fix."""
+    inp = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [user("alpha")]}])
+    out = tmp_path / "notes.txt"
+    out.write_text("remember to buy milk")
+    with pytest.raises(SystemExit, match=r"notes.txt is not an output of regenerate.*give another output path"):
+        regen.main(["--input", str(inp), "--output", str(out), "--endpoint", "http://127.0.0.1:9"])
+    assert out.read_text() == "remember to buy milk"
+
+
 @pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--retries", "0"), ("--batch-size", "-4"),
                                         ("--concurrency", "0")])
 def test_bad_counts_are_refused(tmp_path, capsys, flag, value):
@@ -297,6 +308,17 @@ def test_http_resume_retry_errors_torn_line(tmp_path, server):
     with pytest.raises(SystemExit, match="regen.jsonl:1 "):
         run(inp, out, server)
     assert out.read_bytes() == b'{"id": "x", "mess\n' + good
+
+
+def test_a_torn_first_row_of_its_own_run_is_cut(tmp_path, server):
+    """A run killed while writing its very first row leaves one torn line: the errors file beside it says the output
+    is regenerate's, so the line is cut and the row redone."""
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2]), tmp_path / "regen.jsonl"
+    run(inp, out, server)
+    first = out.read_bytes().splitlines()[0]
+    out.write_bytes(first[: len(first) // 2])
+    counts = run(inp, out, server)
+    assert counts["done_before"] == 0 and counts["todo"] == 2 and set(by_id(out)) == {"a", "b"}
 
 
 def test_complete_last_row_without_newline_is_kept(tmp_path, server):

@@ -527,6 +527,22 @@ def test_an_out_of_other_json_is_refused_and_left_as_it_is(tmp_path, qwen3_dir, 
         assert out.read_bytes() == before and not syn.stats_path(out).exists()
 
 
+def test_a_one_line_text_file_as_out_is_refused_and_a_torn_first_row_is_cut(tmp_path, qwen3_dir, scripted):
+    """A file whose only line is not JSON is someone's file: refused, left as it is. The same torn line where the
+    stats file says synthesize wrote it (killed during its first row) is cut and the rows made again."""
+    out = tmp_path / "notes.txt"
+    out.write_text("remember to buy milk")
+    with pytest.raises(SystemExit, match=r"notes.txt is not an output of synthesize.*give another output path"):
+        synth(qwen3_dir, out, 4)
+    assert out.read_text() == "remember to buy milk" and not syn.stats_path(out).exists()
+    out = tmp_path / "s.jsonl"
+    synth(qwen3_dir, out, 4)
+    rows = out.read_bytes()
+    out.write_bytes(rows[: len(rows.splitlines()[0]) // 2])
+    syn.rejected_path(out).write_text("")
+    assert synth(qwen3_dir, out, 4)["kept"] == 4 and out.read_bytes() == rows
+
+
 def test_a_second_run_on_one_out_is_refused_naming_the_holder(tmp_path, qwen3_dir, scripted, monkeypatch, capsys):
     """Two runs on one --out at once would write every row twice: the second is refused with the first's pid, host
     and start time, and changes nothing; the first ends with --num distinct rows. A lock file naming a run that is
