@@ -151,9 +151,17 @@ def output_row(row) -> None:
 
 def read_done(output: Path) -> set[str]:
     """Ids already written (data.resume.read_back: a torn last line is cut off and its prompt redone, nothing else
-    is changed; a file of other JSON, e.g. a prompt file given as --output, is refused)."""
+    is changed; a file of other JSON, e.g. a prompt file given as --output, is refused). An id written twice (two
+    runs at once, before the lock) is refused, as data.synthesize refuses it: skipping the copies would leave a
+    file that trains on those rows twice, and which of two different answers to keep is the user's call."""
     owned = (resume.owner(output) or ("",))[0] == "regenerate"
-    return {row["id"] for row in resume.read_back(output, "regenerate", output_row, owned)}
+    ids = Counter(row["id"] for row in resume.read_back(output, "regenerate", output_row, owned))
+    twice = [i for i, n in ids.items() if n > 1]
+    if twice:
+        raise SystemExit(f"regenerate: {output} holds {len(twice):,} id(s) more than once (e.g. {twice[0]!r}): two "
+                         f"runs wrote it at once. It was left as it is: keep the first row of each id, then run "
+                         f"again")
+    return set(ids)
 
 
 class Sink:

@@ -51,8 +51,9 @@ def lock_path(out: Path) -> Path:
 @contextmanager
 def locked(out: Path, tool: str):
     """Hold OUT.lock for the body; SystemExit naming the holder when another run holds it (nothing is changed).
-    A lock file naming a run that is gone is taken over with a message."""
-    path = lock_path(out)
+    A lock file naming a run that is gone is taken over with a message. The lock sits beside the file itself (its
+    path with symbolic links resolved), so two runs that reach one file by two paths exclude each other too."""
+    path = lock_path(Path(os.path.realpath(out)))
     path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a+")
     held = False

@@ -321,6 +321,24 @@ def test_a_torn_first_row_of_its_own_run_is_cut(tmp_path, server):
     assert counts["done_before"] == 0 and counts["todo"] == 2 and set(by_id(out)) == {"a", "b"}
 
 
+def test_two_paths_to_one_output_share_its_lock_and_duplicate_ids_are_refused(tmp_path, server):
+    """A run that reaches a held --output through a symbolic link is refused (the lock is the file's, not the
+    path's); an output that holds an id twice (two runs wrote at once) is refused on resume, left as it is."""
+    from data import resume
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2]), tmp_path / "regen.jsonl"
+    (tmp_path / "link.jsonl").symlink_to(out)
+    with resume.locked(out, "regenerate"):
+        with pytest.raises(SystemExit, match="is being written by another run"):
+            run(inp, tmp_path / "link.jsonl", server)
+    assert not out.exists()
+    run(inp, tmp_path / "link.jsonl", server)
+    rows = out.read_bytes()
+    out.write_bytes(rows + rows.splitlines(keepends=True)[0])
+    with pytest.raises(SystemExit, match=r"holds 1 id\(s\) more than once \(e.g. 'a'\).*keep the first row"):
+        run(inp, out, server)
+    assert out.read_bytes() == rows + rows.splitlines(keepends=True)[0]
+
+
 def test_complete_last_row_without_newline_is_kept(tmp_path, server):
     inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:3]), tmp_path / "regen.jsonl"
     run(inp, out, server)
