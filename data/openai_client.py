@@ -312,7 +312,8 @@ class Pool:
         return min(lens) if lens else None
 
     def probe(self, completions=False, thinking=None):
-        """Probe every endpoint (a listed endpoint that does not answer is an error: likely a wrong URL)."""
+        """Probe every endpoint (a listed endpoint that does not answer is an error: likely a wrong URL). Rejected
+        when they serve different models: one output holds one model's answers."""
         for e in self.endpoints:
             try:
                 e.probe(self.served_model, completions, thinking)
@@ -320,6 +321,11 @@ class Pool:
                 raise EndpointsDown(f"{e.url} does not answer after {self.tries} tries ({err}). Start the server, "
                                     f"or check the URL and port") from None
             self.say(f"{e.url}: model {e.model!r}" + (f", context {e.max_len:,} tokens" if e.max_len else ""))
+            if e.model != self.endpoints[0].model:
+                raise Rejected(e.url, None, f"it serves {e.model!r}, {self.endpoints[0].url} serves "
+                               f"{self.endpoints[0].model!r}: one run's rows must come from one model",
+                               "Give endpoints that serve one model, or --served-model NAME when each of them "
+                               "serves a model of that name")
 
     def healthy(self, e: Endpoint) -> bool:
         try:

@@ -179,6 +179,25 @@ def test_probe_chooses_the_model(stubs):
         oc.Endpoint(one.url).probe()
 
 
+def test_endpoints_serving_different_models_are_refused_unless_one_is_named(stubs, tmp_path):
+    """Two servers of two models would mix two models' answers in one output: the probe refuses (regenerate exits
+    with status 2 before any row); --served-model picks a name both serve."""
+    from data import regenerate as regen
+    a, b = stubs("a", models=[{"id": "small"}]), stubs("b", models=[{"id": "big"}, {"id": "small"}])
+    c = stubs("c", models=[{"id": "big"}])
+    with pytest.raises(oc.Rejected, match=r"it serves 'big', .* serves 'small': one run's rows must come from one "
+                                          r"model.*--served-model"):
+        oc.Pool([a.url, c.url]).probe()
+    pool = oc.Pool([a.url, b.url], served_model="small")
+    pool.probe()
+    assert [e.model for e in pool.endpoints] == ["small", "small"]
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", a.url, c.url])
+    assert e.value.code == 2 and not out.exists()
+
+
 def test_chat_and_complete_of_one_endpoint(stubs):
     s = stubs()
     e = oc.Endpoint(s.url)
