@@ -33,10 +33,14 @@ as failed. A sampled request carries the API's `seed` from --seed, the row id an
 it answers a resumed row as an uninterrupted run would (vLLM and SGLang only up to batch invariance).
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
-drops a torn last line (that prompt is redone); an --output whose lines parse but are not this tool's rows (a prompt
-file given by mistake), or that is the --input, is refused and left as it is. One run at a time writes an --output
-(OUTPUT.lock, as data.synthesize). A prompt that still fails after `--retries` tries goes to
-OUTPUT.errors.jsonl and is attempted again on the next run; it never stops the job.
+drops a torn last line of its own rows (that prompt is redone); an --output whose lines are not this tool's rows (a
+prompt file given by mistake, a text file), that holds an id twice, that is the --input, or that data.synthesize
+wrote, is refused and left as it is. OUTPUT.stats.json records the settings that shape the rows (the model:
+--model's config.json and weights fingerprint, or the served model name; --turns, --max-new-tokens,
+--temperature, --thinking, --seed, --systems) before the first row: a resume with others is refused, as
+data.synthesize refuses it. One run at a time writes an --output (OUTPUT.lock, as data.synthesize). A prompt that
+still fails after `--retries` tries goes to OUTPUT.errors.jsonl and is attempted again on the next run; it never
+stops the job.
 """
 import argparse
 import hashlib
@@ -162,6 +166,35 @@ def read_done(output: Path) -> set[str]:
                          f"runs wrote it at once. It was left as it is: keep the first row of each id, then run "
                          f"again")
     return set(ids)
+
+
+def run_config(args, pool=None) -> dict:
+    """The settings that shape the rows, recorded in OUTPUT.stats.json before the first row; a resumed run must
+    have the same (as data.synthesize's). The model: --model's config.json and weights fingerprint, or the name
+    the servers serve (a server does not show its weights)."""
+    cfg = Path(args.model) / "config.json" if args.model else None
+    return {"model_config": resume.file_hash(cfg) if cfg and cfg.exists() else None,
+            "model_weights": resume.weights_fingerprint(args.model) if args.model else None,
+            "served_model": pool.endpoints[0].model if pool else None,
+            "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "thinking": args.thinking, "seed": args.seed,
+            "systems": resume.file_hash(args.systems) if args.systems else None}
+
+
+def check_resume(output: Path, config: dict, have_rows: bool):
+    """SystemExit when rows exist and OUTPUT.stats.json says other settings (or another model) made them; then
+    this run's settings are recorded. Rows from before the settings were recorded are taken as this run's, with a
+    note."""
+    old = resume.read_settings(output, "regenerate")
+    if have_rows and old is None:
+        print(f"regenerate: note: {output} has no {resume.stats_path(output).name} (written before the settings "
+              f"were recorded): its rows are taken as made by this run's model and settings, recorded from now on",
+              file=sys.stderr)
+    elif have_rows:
+        resume.check_settings("regenerate", output, old["config"], config)
+    tmp = Path(str(resume.stats_path(output)) + ".tmp")
+    tmp.write_text(json.dumps({"tool": "regenerate", "config": config}, indent=2) + "\n")
+    os.replace(tmp, resume.stats_path(output))
 
 
 class Sink:
@@ -424,6 +457,7 @@ def main(argv=None) -> dict:
         ap.error(f"--output {args.output} is the --input file: the rows would be taken as already done and the "
                  f"prompts appended to; give another --output")
     with resume.locked(args.output, "regenerate"):   # one run per --output: two would write every row twice
+        resume.check_owner(args.output, "regenerate")
         return run(args)
 
 
@@ -444,11 +478,14 @@ def run(args) -> dict:
     if not todo:
         return counts
     from tqdm import tqdm
+    pool = oc.connect("regenerate", args, thinking=thinking) if args.endpoint else None
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    check_resume(args.output, run_config(args, pool), bool(done))   # before any model loads and any row is written
     if args.model:
         backend = LocalBackend(args.model, args.device, args.dtype, args.max_new_tokens, args.temperature,
                                thinking, args.seed, args.engine, args.batch_size, args.max_len)
     else:
-        backend = oc.connect("regenerate", args, thinking=thinking)
+        backend = pool
     sink = Sink(args.output)
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     t0 = time.perf_counter()

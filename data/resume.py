@@ -1,5 +1,6 @@
 """What lets a data command append to one output file over several runs: one run at a time (`locked`), the rows
-earlier runs wrote (`read_back`), and which weights wrote them (`weights_fingerprint`).
+earlier runs wrote (`read_back`), which tool wrote them (`owner`), and with which settings and weights
+(`read_settings`, `check_settings`, `weights_fingerprint`).
 
 The lock is the trainer's OUT_DIR lock (checkpoint.lock_out_dir) for a file: flock on OUT.lock, which the kernel
 releases when the holder exits however it exits (kill -9 included), so a dead run never blocks the next one; the
@@ -42,6 +43,51 @@ def owner(out: Path) -> tuple[str, Path] | None:
         if Path(str(out) + suffix).exists():
             return tool, Path(str(out) + suffix)
     return None
+
+
+def check_owner(out: Path, tool: str):
+    """SystemExit when `out` is the other data tool's output (owner): its rows and side files are not this tool's,
+    and rows appended by this one would leave a file the other can no longer resume. Nothing is changed."""
+    found = owner(out)
+    if found and found[0] != tool:
+        raise SystemExit(f"{tool}: {out} is an output of data.{found[0]} ({found[1]} says so): data.{tool} does not "
+                         f"write into it (data.{found[0]} could no longer resume it). It was left as it is: give "
+                         f"another output path")
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def read_settings(out: Path, tool: str) -> dict | None:
+    """OUT.stats.json's content ({"tool", "config": the settings that made the rows, ...}); None when absent.
+    SystemExit when it is not a stats file of `tool`."""
+    path = stats_path(out)
+    if not path.exists():
+        return None
+    try:
+        old = json.loads(path.read_text())
+        assert isinstance(old, dict) and isinstance(old.get("config"), dict)
+        assert old.get("tool", "synthesize") == tool
+    except (ValueError, AssertionError):
+        raise SystemExit(f"{tool}: {path} is not a stats file written by data.{tool}; restore it, or write to a new "
+                         f"output") from None
+    return old
+
+
+MODEL_SETTINGS = ("model_config", "model_weights", "served_model")   # the settings that name the model
+
+
+def check_settings(tool: str, out: Path, was: dict, now: dict):
+    """SystemExit naming each setting that differs between the rows' (`was`) and this run's (`now`): rows made
+    with other settings, or by another model, would not match the ones written."""
+    diff = [k for k in sorted(set(now) | set(was)) if was.get(k) != now.get(k)]
+    if diff:
+        said = "; ".join(f"{k}: was {was.get(k)!r}, now {now.get(k)!r}" for k in diff)
+        model = (" The rows were written by another model (a set of two models' answers trains a drafter for "
+                 "neither): use the model that wrote them." if set(diff) & set(MODEL_SETTINGS) else "")
+        raise SystemExit(f"{tool}: cannot resume {out}: settings differ ({said}).{model} Rows made with other "
+                         f"settings would not match the ones written: use the earlier settings, or a new output")
 
 
 def lock_path(out: Path) -> Path:

@@ -51,8 +51,9 @@ At most WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is writte
 second) once every lower index of its stream is, so a stop loses at most the candidates in flight; a SIGTERM or
 Ctrl-C still records the run (rows, tokens, wall time) in OUT.stats.json and prints the final line. A self-written
 opener is judged for duplicates only once every lower index's opener was, so the verdicts are those of one pass in
-index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks its newline is
-kept; a file of other JSON given as --out (a prompt file) is refused and left as it is. The settings that shape the
+index order. A torn last line (it does not parse) after rows of this tool is dropped; a complete last line that only
+lacks its newline is kept; a file of other JSON given as --out (a prompt file), one whose only line is not JSON, or
+an output of data.regenerate is refused and left as it is. The settings that shape the
 rows (--seed, --turns, --system(s), temperatures, token caps, the model's config.json and weights (their headers and
 first MiB), mix, openers and held-out files) are recorded in OUT.stats.json and must match when resuming; --num,
 --mix-ratio, --batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples
@@ -251,8 +252,7 @@ def write_json(path: Path, obj):
     os.replace(tmp, path)
 
 
-def file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+file_hash = resume.file_hash
 
 
 # --- one candidate --------------------------------------------------------------------------------------------------
@@ -487,29 +487,18 @@ def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
     "model_weights") takes this run's, with a note: its config.json hash still has to match."""
     if not have_rows:
         return {}
-    if not path.exists():
+    out = Path(str(path).removesuffix(".stats.json"))
+    old = resume.read_settings(out, "synthesize")
+    if old is None:
         raise SystemExit(f"synthesize: rows exist but {path} (which records how they were made) is missing; "
                          f"restore it, or write to a new --out")
-    try:
-        old = json.loads(path.read_text())
-        assert isinstance(old, dict) and isinstance(old.get("config"), dict)
-    except (ValueError, AssertionError):
-        raise SystemExit(f"synthesize: {path} is not a stats file written by data.synthesize; restore it, or write "
-                         f"to a new --out")
     was = old["config"]
     if "model_weights" not in was:
         print(f"synthesize: note: {path} predates the weights' fingerprint; the rows are taken as made by the "
               f"weights of --model (its config.json must still match), whose fingerprint is recorded from now on",
               file=sys.stderr)
         was["model_weights"] = config["model_weights"]
-    diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
-    if diff:
-        said = "; ".join(f"{k}: was {was.get(k)!r}, now {config.get(k)!r}" for k in diff)
-        model = (" The rows were written by another model (other weights behind the same config.json mix two "
-                 "models' answers): use the model that wrote them.") if "model_weights" in diff else ""
-        raise SystemExit(f"synthesize: cannot resume {str(path).removesuffix('.stats.json')}: settings differ "
-                         f"({said}).{model} Rows made with other settings would not match the ones written: use the "
-                         f"earlier settings, or a new --out")
+    resume.check_settings("synthesize", out, was, config)
     return old
 
 
@@ -620,6 +609,7 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
     with resume.locked(args.out, "synthesize"):   # one run per --out: two would write every row twice
+        resume.check_owner(args.out, "synthesize")
         return run(args, argv)
 
 
@@ -813,7 +803,7 @@ def summarize(config, stats, nxt, runs) -> dict:
         total["length_capped"] += st["length_capped"]
         for r, n in st["rejected"].items():
             total["rejected"][r] = total["rejected"].get(r, 0) + n   # server_error: --endpoint runs only
-    return {"config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
+    return {"tool": "synthesize", "config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
 
 
 class Stopped(Exception):

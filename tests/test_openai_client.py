@@ -351,3 +351,40 @@ def test_regenerate_stops_when_its_server_goes_away_and_a_rerun_finishes(stubs, 
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 12 and {r["id"] for r in rows} == {f"p{i}" for i in range(12)}
     assert rows[4]["messages"][-1]["content"] == "q4@s"
+
+
+def test_regenerate_refuses_to_resume_rows_of_another_model_or_settings(stubs, tmp_path, capsys):
+    """OUTPUT.stats.json records what made the rows: a resume with another served model, another answer cap or
+    another temperature is refused naming the setting, the output left as it is; the same settings go on. An
+    output from before the settings were recorded is resumed with a note, and its settings recorded."""
+    from data import regenerate as regen
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+
+    def write_prompts(n):
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]})
+                                   + "\n" for i in range(n)))
+    s = stubs()
+
+    def run(*extra):
+        return regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url,
+                           "--max-new-tokens", "16", *extra])
+    write_prompts(2)
+    run()
+    assert json.loads(regen.resume.stats_path(out).read_text())["config"]["served_model"] == "tgt"
+    write_prompts(3)
+    rows = out.read_bytes()
+    for extra, said in ((["--max-new-tokens", "32"], "max_new_tokens: was 16, now 32"),
+                        (["--temperature", "0.7"], "temperature: was 0.0, now 0.7")):
+        with pytest.raises(SystemExit, match=f"cannot resume .*{said}.*a new output"):
+            run(*extra)
+    s.models = [{"id": "other"}]
+    with pytest.raises(SystemExit, match="served_model: was 'tgt', now 'other'.*written by another model"):
+        run()
+    assert out.read_bytes() == rows
+    s.models = [{"id": "tgt"}]
+    assert run()["todo"] == 1
+    regen.resume.stats_path(out).unlink()   # as data.regenerate wrote outputs before it recorded settings
+    write_prompts(4)
+    assert run()["todo"] == 1 and "taken as made by this run's model" in capsys.readouterr().err
+    assert json.loads(regen.resume.stats_path(out).read_text())["config"]["max_new_tokens"] == 16
+

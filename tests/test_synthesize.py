@@ -543,6 +543,34 @@ def test_a_one_line_text_file_as_out_is_refused_and_a_torn_first_row_is_cut(tmp_
     assert synth(qwen3_dir, out, 4)["kept"] == 4 and out.read_bytes() == rows
 
 
+def test_synthesize_and_regenerate_refuse_each_others_outputs(tmp_path, qwen3_dir, scripted):
+    """Each tool recognises the other's output by the files beside it (synthesize's stats and rejected files,
+    regenerate's stats and errors files) and refuses it before any request, leaving it as it is: appended rows
+    of the other kind would leave a file its maker can no longer resume."""
+    from data import regenerate as regen
+    out = tmp_path / "s.jsonl"
+    synth(qwen3_dir, out, 4)
+    before = out.read_bytes()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [user("q")]}) + "\n")
+    with pytest.raises(SystemExit, match=r"s.jsonl is an output of data.synthesize .*give another output path"):
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", "http://127.0.0.1:9"])
+    assert out.read_bytes() == before
+    syn.stats_path(out).unlink()   # the rejected file alone says it too
+    with pytest.raises(SystemExit, match=r"is an output of data.synthesize \(.*rejected.jsonl says so\)"):
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", "http://127.0.0.1:9"])
+    regen_out = tmp_path / "r.jsonl"
+    regen_out.write_text(json.dumps({"id": "self/0", "messages": [user("q"), assistant("a")],
+                                     "finish_reasons": ["stop"]}) + "\n")
+    Path(f"{regen_out}.errors.jsonl").write_text("")
+    for stats in (None, {"tool": "regenerate", "config": {}}):
+        if stats:
+            syn.stats_path(regen_out).write_text(json.dumps(stats))
+        with pytest.raises(SystemExit, match=r"r.jsonl is an output of data.regenerate"):
+            synth(qwen3_dir, regen_out, 4)
+    assert len(read_jsonl(regen_out)) == 1 and not syn.rejected_path(regen_out).exists()
+
+
 def test_a_second_run_on_one_out_is_refused_naming_the_holder(tmp_path, qwen3_dir, scripted, monkeypatch, capsys):
     """Two runs on one --out at once would write every row twice: the second is refused with the first's pid, host
     and start time, and changes nothing; the first ends with --num distinct rows. A lock file naming a run that is
