@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from typing import NamedTuple
@@ -78,11 +79,25 @@ class EndpointsDown(Exception):
 # --- one HTTP request -----------------------------------------------------------------------------------------------
 
 def base_url(url: str) -> str:
-    """'http://host:port', '.../v1' or '.../v1/' -> 'http://host:port/v1'."""
+    """'http://host:port', '.../v1' or '.../v1/' -> 'http://host:port/v1'; 'host:port' (no scheme, as vLLM and
+    SGLang print their address) is taken as http://host:port. ValueError for another scheme or no host."""
     url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"endpoint {url!r} is not an http(s) URL: give e.g. http://127.0.0.1:30000")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")) or not urllib.parse.urlsplit(url).hostname:
+        raise ValueError(f"endpoint {url!r} is not an http(s) URL of a server: give e.g. http://127.0.0.1:30000")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def check_args(ap, args):
+    """The tools' --endpoint and --timeout, checked before anything runs: ap.error (exit status 2) naming the fix."""
+    for url in args.endpoint:
+        try:
+            base_url(url)
+        except ValueError as e:
+            ap.error(f"--endpoint: {e}")
+    if not 0 < args.timeout < float("inf"):
+        ap.error(f"--timeout {args.timeout:g} must be more than 0: the seconds to wait for one answer (e.g. 600)")
 
 
 def server_message(body: bytes) -> str:

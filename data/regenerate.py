@@ -435,6 +435,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if bool(args.model) == bool(args.endpoint):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
+    if args.endpoint:
+        oc.check_args(ap, args)
     for name, ok, want in (("--limit", args.limit >= 0, "0 (all) or more"),
                            ("--retries", args.retries >= 1, "at least 1"),
                            ("--batch-size", args.batch_size >= 0, "0 (automatic) or more"),

@@ -571,6 +571,7 @@ def parse_args(argv):
                      "--tokenizer DIR (its tokenizer.json, tokenizer_config.json, chat template) or --model DIR")
         if args.concurrency < 1 or args.retries < 1:
             ap.error("--concurrency and --retries must be at least 1")
+        oc.check_args(ap, args)
         args.batch_size = args.concurrency * len(args.endpoint)  # the requests in flight: the window's unit
     elif not args.model:
         ap.error("give --model DIR (the local engine) or --endpoint URL (a server)")

@@ -99,11 +99,35 @@ def dead_url():
 
 def test_base_url_and_backoff():
     assert oc.base_url("http://h:1") == oc.base_url("http://h:1/") == oc.base_url("http://h:1/v1/") == "http://h:1/v1"
-    with pytest.raises(ValueError, match="http"):
-        oc.base_url("h:1")
+    assert oc.base_url("h:1") == oc.base_url(" h:1/v1 ") == "http://h:1/v1"   # vLLM users type host:port
+    for bad in ("ftp://h:1", "http:///v1", ":8000"):
+        with pytest.raises(ValueError, match="http"):
+            oc.base_url(bad)
     waits = [oc.backoff_s(a) for a in range(10)]
     assert waits[:2] == [oc.RETRY_BACKOFF_S, 2 * oc.RETRY_BACKOFF_S] and max(waits) == oc.RETRY_BACKOFF_MAX_S
     assert waits == sorted(waits)
+
+
+def test_endpoint_without_scheme_works_and_bad_server_flags_are_usage_errors(stubs, tmp_path, qwen3_dir, capsys):
+    """`--endpoint 127.0.0.1:PORT` is taken as http://; an endpoint of another scheme and a --timeout that is not
+    above 0 are usage errors (exit status 2) naming the fix, in both tools, before anything is written."""
+    from data import regenerate as regen
+    from data import synthesize as syn
+    s = stubs()
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url.removeprefix("http://")])
+    assert json.loads(out.read_text())["messages"][-1]["content"] == "q@s"
+    for extra, said in ((["--endpoint", "ftp://h:1"], "--endpoint: endpoint 'ftp://h:1' is not an http"),
+                        (["--endpoint", s.url, "--timeout", "-1"], "--timeout -1 must be more than 0"),
+                        (["--endpoint", s.url, "--timeout", "0"], "--timeout 0 must be more than 0")):
+        for main, flags in ((regen.main, ["--input", str(prompts), "--output", str(tmp_path / "o.jsonl")]),
+                            (syn.main, ["--tokenizer", str(qwen3_dir), "--num", "2", "--out",
+                                        str(tmp_path / "o.jsonl")])):
+            with pytest.raises(SystemExit) as e:
+                main(flags + extra)
+            assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_error_kinds(stubs):
