@@ -22,6 +22,9 @@ Errors are sorted in three kinds, never guessed from a message:
                         their tries reset, and it takes no new work. When every endpoint is down the run stops with
                         EndpointsDown, and none of the requests in flight is reported as failed.
 
+Waits: the probe's requests wait PROBE_TIMEOUT_S a try (the run's, --timeout); a request of the run that has waited
+SLOW_REQUEST_S is reported on one line naming its endpoint, again after as long again.
+
 Several endpoints share one queue of work: each runs `concurrency` worker threads that take the next request from
 it, so a faster server takes more. Threads are daemons: a run that stops does not wait for requests in flight.
 """
@@ -42,6 +45,10 @@ from typing import NamedTuple
 RETRY_BACKOFF_S = 0.5       # sleep before the 2nd try of a request; doubles per try
 RETRY_BACKOFF_MAX_S = 8.0   # ... up to this
 BAD_REQUESTS_STOP = 16      # HTTP 400s in a row (no success between) that stop a run: a systematic error, not rows
+PROBE_TIMEOUT_S = 60.0      # the probe's wait per try of its one-token requests (at most --timeout): a server that
+                            # lists its model but never answers is named in minutes, not --timeout x --retries
+SLOW_REQUEST_S = 60.0       # a request waiting this long for its answer is reported, per endpoint, and again after
+                            # as long again, while the run waits (up to --timeout)
 PROBE_MESSAGES = [{"role": "user", "content": "Hi"}]   # the probe's one-token chat request
 API_KEY_ENV = "OPENAI_API_KEY"   # sent as `Authorization: Bearer` when set (a server started with --api-key)
 FIXES = {  # HTTP status -> what the user can change
@@ -255,10 +262,11 @@ class Endpoint:
             raise Transient(f"{self.url}/models: not a model list: {str(reply)[:200]}")
         return data
 
-    def post(self, path: str, body: dict) -> list[Choice]:
+    def post(self, path: str, body: dict, timeout: float | None = None) -> list[Choice]:
         """One try of POST /v1/<path> with the model filled in -> its choices."""
         url = f"{self.url}/{path}"
-        return choices_of(request_json(url, {"model": self.model, **body}, self.timeout), url, path.startswith("chat"))
+        return choices_of(request_json(url, {"model": self.model, **body}, timeout or self.timeout), url,
+                          path.startswith("chat"))
 
     def chat(self, messages, max_tokens, **kw) -> Choice:
         """/v1/chat/completions, one try (chat_request's keywords)."""
@@ -286,15 +294,21 @@ class Endpoint:
         self.model = served_model
         info = next(m for m in models if m["id"] == served_model)
         self.max_len = info.get("max_model_len") if isinstance(info.get("max_model_len"), int) else None
+        wait = min(self.timeout, PROBE_TIMEOUT_S)
         try:
             url = f"{self.url}/chat/completions"
             body = {"model": self.model, **chat_request(PROBE_MESSAGES, 1, thinking=thinking)[1]}
-            reply = with_retries(lambda: request_json(url, body, self.timeout), self.tries, "openai_client: probe")
+            reply = with_retries(lambda: request_json(url, body, wait), self.tries, "openai_client: probe")
             self.prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
             choices_of(reply, url, chat=True)
             if completions:
                 url = f"{self.url}/completions"
-                with_retries(lambda: self.complete("Hi", 1), self.tries, "openai_client: probe")
+                with_retries(lambda: self.post(*completion_request("Hi", 1), timeout=wait), self.tries,
+                             "openai_client: probe")
+        except Transient as e:
+            raise EndpointsDown(f"{self.url} lists model {self.model!r} but did not answer a one-token request in "
+                                f"{self.tries} tries of up to {wait:g} s ({e}): check the server's log (is it still "
+                                f"loading, or stuck?), then run again") from None
         except Rejected as e:
             what = "a one-token chat request" if url.endswith("chat/completions") else \
                 "a one-token raw completion"
@@ -360,6 +374,7 @@ class Pool:
             raise EndpointsDown("no endpoint is up")
         work, results, stop = queue.Queue(), queue.Queue(), threading.Event()
         capacity = self.concurrency * len(live)
+        waiting, reported = {}, {}   # worker thread -> (endpoint, when its request was sent); URL -> next report
 
         def worker(e: Endpoint):
             while not stop.is_set():
@@ -370,8 +385,14 @@ class Pool:
                     work.put(item)
                     return
                 tag, path, body, attempt = item
+                me = threading.get_ident()
                 try:
-                    results.put(("ok", tag, e.post(path, body), None))
+                    waiting[me] = (e, time.monotonic())   # report_slow reads it
+                    try:
+                        choices = e.post(path, body)
+                    finally:
+                        del waiting[me]
+                    results.put(("ok", tag, choices, None))
                     continue
                 except Rejected as err:
                     results.put(("rejected", tag, None, err))
@@ -398,6 +419,21 @@ class Pool:
                     results.put(("down", None, None, err))
                     return
 
+        def report_slow():
+            """A line per endpoint whose oldest request has waited SLOW_REQUEST_S, again after as long again: a
+            server that takes requests but never answers is seen while the run waits."""
+            now = time.monotonic()
+            slow = {}
+            for e, sent in list(waiting.values()):
+                if now - sent >= SLOW_REQUEST_S:
+                    n, oldest = slow.get(e, (0, now))
+                    slow[e] = (n + 1, min(oldest, sent))
+            for e, (n, oldest) in slow.items():
+                if now >= reported.get(e.url, 0.0):
+                    reported[e.url] = now + SLOW_REQUEST_S
+                    self.say(f"{e.url}: {n} request(s) waiting for an answer, the oldest for {now - oldest:.0f} s "
+                             f"(--timeout {e.timeout:g} s)")
+
         threads = [threading.Thread(target=worker, args=(e,), daemon=True, name=f"openai-{e.url}-{i}")
                    for e in live for i in range(self.concurrency)]
         for t in threads:
@@ -412,7 +448,12 @@ class Pool:
                     inflight += 1
                 if not inflight:
                     return
-                kind, tag, choices, err = results.get()
+                try:
+                    kind, tag, choices, err = results.get(timeout=SLOW_REQUEST_S / 4)
+                except queue.Empty:
+                    report_slow()
+                    continue
+                report_slow()
                 if kind == "down":
                     if all(e.down for e in self.endpoints):
                         raise EndpointsDown(f"every endpoint is down ({', '.join(e.url for e in self.endpoints)}); "

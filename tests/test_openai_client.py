@@ -2,6 +2,7 @@
 the pool's retries and failover, against small in-process HTTP stubs (the end-to-end runs through the project's
 real server are tests/test_endpoint.py)."""
 import json
+import re
 import socket
 import threading
 from collections import deque
@@ -239,6 +240,31 @@ def test_probe_of_a_dead_server_names_it(capsys):
     with pytest.raises(oc.EndpointsDown, match=f"{url}/v1 does not answer after 2 tries.*Start the server"):
         pool.probe()
     assert capsys.readouterr().err.count("retry 2/2") == 1
+
+
+def test_a_server_that_lists_its_model_but_never_answers_is_named_soon(stubs, monkeypatch, tmp_path, capsys):
+    """The probe waits PROBE_TIMEOUT_S per try, not --timeout: a server that lists its model but does not answer is
+    named with the fix in seconds. A request of the run that waits SLOW_REQUEST_S is reported on stderr with its
+    endpoint and the seconds waited, while the run goes on waiting for it."""
+    import time
+    from data import regenerate as regen
+    monkeypatch.setattr(oc, "PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(oc, "SLOW_REQUEST_S", 0.4)
+    s = stubs()
+    s.answer = lambda prompt, body: time.sleep(1.2) or f"a:{prompt}"
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    t0 = time.time()
+    with pytest.raises(SystemExit, match=r"lists model 'tgt' but did not answer a one-token request in 2 tries of "
+                                         r"up to 0.3 s .*check the server's log"):
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url, "--retries", "2"])
+    assert time.time() - t0 < 5 and not out.exists()
+    s.answer = lambda prompt, body: (time.sleep(1.2) if prompt == "q" else None) or f"a:{prompt}"
+    capsys.readouterr()
+    regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url, "--timeout", "30"])
+    assert json.loads(out.read_text())["messages"][-1]["content"] == "a:q"
+    assert re.search(re.escape(s.url) + r"/v1: 1 request\(s\) waiting for an answer, the oldest for \d+ s "
+                     r"\(--timeout 30 s\)", capsys.readouterr().err)
 
 
 def chat_of(tag):
