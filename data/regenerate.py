@@ -40,12 +40,15 @@ wrote, is refused and left as it is. OUTPUT.stats.json records the settings that
 --temperature, --thinking, --seed, --systems) before the first row: a resume with others is refused, as
 data.synthesize refuses it. One run at a time writes an --output (OUTPUT.lock, as data.synthesize). A prompt that
 still fails after `--retries` tries goes to OUTPUT.errors.jsonl and is attempted again on the next run; it never
-stops the job.
+stops the job. Ctrl-C or SIGTERM ends the run with exit status 1, the rows written kept, the rows in flight not
+recorded as failed, and prints the command that goes on.
 """
 import argparse
 import hashlib
 import json
 import os
+import shlex
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -204,7 +207,7 @@ class Sink:
         output.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(output, "a", encoding="utf-8")
         self.err = open(str(output) + ".errors.jsonl", "a", encoding="utf-8")
-        self.n_failed = 0
+        self.n_done = self.n_failed = 0
 
     def _write(self, f, obj):
         f.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -212,6 +215,7 @@ class Sink:
         os.fsync(f.fileno())
 
     def done(self, row, messages, finish_reasons):
+        self.n_done += 1
         self._write(self.out, {**{k: v for k, v in row.items() if k != "conversations"},
                                "id": row_id(row), "messages": messages, "finish_reasons": finish_reasons})
 
@@ -402,8 +406,26 @@ def run_http(pool, todo, sink, args, thinking, progress) -> int:
     return no_reasoning
 
 
+class Stopped(Exception):
+    """SIGTERM, raised in the main thread: the rows written stay, the run ends as a Ctrl-C does."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped("SIGTERM")
+
+
+def stopped(args, argv, why: str, written: int) -> SystemExit:
+    """The exit (status 1) of a run stopped by Ctrl-C or SIGTERM: what was kept and the command that goes on."""
+    command = f"{shlex.quote(sys.executable)} -m data.regenerate {shlex.join(argv)}"
+    return SystemExit(f"regenerate: stopped by {why}: {written:,} rows written to {args.output} by this run stay, "
+                      f"and the rows in flight were not recorded as failed. Run the same command again to go on:\n"
+                      f"  {command}")
+
+
 def main(argv=None) -> dict:
-    """-> counts of this run (for tests): done before, to do, skipped {reason: n}, duplicates, failed."""
+    """-> counts of this run (for tests): done before, to do, skipped {reason: n}, duplicates, failed. SystemExit
+    (status 1) with the command that goes on when stopped by Ctrl-C or SIGTERM."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", type=Path, required=True, help="conversations or prompts (.jsonl/.json/.parquet/folder)")
     ap.add_argument("--output", type=Path, required=True, help="JSONL to append to (resumed if it exists)")
@@ -433,6 +455,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--systems", type=Path, help="JSONL of {name, text, weight}: a system prompt drawn by weight for "
                                                  "each row without one of its own (data/default/systems.jsonl)")
     args = ap.parse_args(argv)
+    args.argv = argv
     if bool(args.model) == bool(args.endpoint):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
     if args.endpoint:
@@ -460,7 +483,13 @@ def main(argv=None) -> dict:
                  f"prompts appended to; give another --output")
     with resume.locked(args.output, "regenerate"):   # one run per --output: two would write every row twice
         resume.check_owner(args.output, "regenerate")
-        return run(args)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)   # a stop (timeout, kill) ends as Ctrl-C does
+        try:
+            return run(args)
+        except (KeyboardInterrupt, Stopped) as e:   # before any row (loading, the probe): nothing to keep
+            raise stopped(args, argv, str(e) or "Ctrl-C", 0) from None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> dict:
@@ -509,6 +538,9 @@ def run(args) -> dict:
     except oc.EndpointsDown as e:
         raise SystemExit(f"regenerate: stopped: {e}\nregenerate: the rows written stay and the rows in flight were "
                          f"not recorded as failed: start the server(s) and run the same command again to go on")
+    except (KeyboardInterrupt, Stopped) as e:
+        bar.close()
+        raise stopped(args, args.argv, str(e) or "Ctrl-C", sink.n_done) from None
     finally:
         bar.close()
         sink.close()
