@@ -7,12 +7,15 @@ data.synthesize send their requests through it. Standard library only.
         ...                                    # request(tag) -> ("chat/completions" | "completions", body)
 
 Errors are sorted in three kinds, never guessed from a message:
-  Rejected (HTTP 4xx):  the request is wrong (a model name the server does not serve, a bad field, an auth error).
-                        Never retried. From the probe, or any 4xx but 400 during the run: the run stops (exit code 2
-                        in the tools). A 400 during the run is that request's own (a prompt longer than the context):
-                        its row fails at once; BAD_REQUESTS_STOP of them in a row with no success between stop the
-                        run too (then they are not the rows' fault).
-  transient:            connection refused / reset, timeouts, HTTP 5xx and 429, a reply that is not the JSON asked
+  Rejected (HTTP 4xx but 429, and 500): the request is wrong (a model name the server does not serve, a bad field,
+                        an auth error), or the server failed on it (500: an exception while serving it, which the
+                        same request meets again). Never retried. From the probe, or any 4xx but 400 during the
+                        run: the run stops (exit code 2 in the tools). A 400 or 500 during the run is that
+                        request's own (a prompt longer than the context, a prompt the server cannot handle): its row
+                        fails at once; BAD_REQUESTS_STOP of them in a row with no success between stop the run too
+                        (then they are not the rows' fault).
+  transient:            connection refused / reset, timeouts, HTTP 429, 502, 503, 504 and other 5xx but 500 (the
+                        server busy, starting or behind a proxy that lost it), a reply that is not the JSON asked
                         for. Retried on the same endpoint after RETRY_BACKOFF_S, doubling per try up to
                         RETRY_BACKOFF_MAX_S, each retry printed on one line.
   EndpointsDown:        a request that still fails after its tries leads to a health check of its endpoint
@@ -44,7 +47,8 @@ from typing import NamedTuple
 
 RETRY_BACKOFF_S = 0.5       # sleep before the 2nd try of a request; doubles per try
 RETRY_BACKOFF_MAX_S = 8.0   # ... up to this
-BAD_REQUESTS_STOP = 16      # HTTP 400s in a row (no success between) that stop a run: a systematic error, not rows
+BAD_REQUESTS_STOP = 16      # HTTP 400s / 500s in a row (no success between) that stop a run: not the rows' fault
+ROW_STATUSES = (400, 500)   # refusals that are one request's own during a run: its row fails, the run goes on
 PROBE_TIMEOUT_S = 60.0      # the probe's wait per try of its one-token requests (at most --timeout): a server that
                             # lists its model but never answers is named in minutes, not --timeout x --retries
 SLOW_REQUEST_S = 60.0       # a request waiting this long for its answer is reported, per endpoint, and again after
@@ -56,6 +60,7 @@ FIXES = {  # HTTP status -> what the user can change
     403: f"The server refused the key: check {API_KEY_ENV}",
     404: "Check the model name (--served-model; GET /v1/models lists the served ones) and the endpoint URL",
     400: "The request was malformed or too long for the server's context: check --max-new-tokens and the prompts",
+    500: "The server failed on this request (its log says why); the same request fails again, so it is not retried",
 }
 
 
@@ -66,8 +71,8 @@ class Choice(NamedTuple):
 
 
 class Rejected(Exception):
-    """The server refused a request (HTTP 4xx; status None: the probe found no model to ask for): the request must
-    change, retrying cannot help."""
+    """The server refused a request (HTTP 4xx but 429) or failed on it (500); status None: the probe found no model
+    to ask for. The request must change, retrying cannot help."""
 
     def __init__(self, url, status, message, fix=""):
         self.url, self.status, self.message = url, status, message
@@ -121,7 +126,8 @@ def server_message(body: bytes) -> str:
 
 
 def request_json(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
-    """GET (body None) or POST JSON -> the decoded reply. Rejected for HTTP 4xx but 429; Transient otherwise."""
+    """GET (body None) or POST JSON -> the decoded reply. Rejected for HTTP 4xx but 429, and 500; Transient
+    otherwise."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if os.environ.get(API_KEY_ENV):
@@ -132,7 +138,7 @@ def request_json(url: str, body: dict | None = None, timeout: float = 600.0) -> 
             raw = r.read()
     except urllib.error.HTTPError as e:
         msg = server_message(e.read() or b"")
-        if 400 <= e.code < 500 and e.code != 429:
+        if 400 <= e.code < 500 and e.code != 429 or e.code == 500:
             raise Rejected(url, e.code, msg, FIXES.get(e.code, "")) from None
         raise Transient(f"{url}: HTTP {e.code}: {msg}") from None
     except urllib.error.URLError as e:   # connection refused, unknown host; a timeout while connecting
@@ -366,7 +372,7 @@ class Pool:
     def run(self, pending: deque, request):
         """Yields (tag, [Choice] or None, error or None) in completion order for the tags taken from the left of
         `pending`, which the caller may append to while iterating. request(tag) -> (path, body), made in the
-        caller's thread when the tag is sent. error: the Rejected (HTTP 400) or Transient that failed the request.
+        caller's thread when the tag is sent. error: the Rejected (HTTP 400, 500) or Transient that failed the request.
         Raises Rejected (a 4xx that is not a row's own) and EndpointsDown; then the requests in flight are not
         reported."""
         live = [e for e in self.endpoints if not e.down]
@@ -461,7 +467,7 @@ class Pool:
                     continue
                 inflight -= 1
                 if kind == "rejected":
-                    if err.status != 400:
+                    if err.status not in ROW_STATUSES:
                         raise err
                     bad_in_row += 1
                     if bad_in_row >= BAD_REQUESTS_STOP:

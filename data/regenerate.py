@@ -25,9 +25,9 @@ Server generation (data/openai_client.py) sends one /v1/chat/completions request
 endpoint, the rows shared by all the endpoints given. Before any row each server is probed: the model name (the
 one /v1/models lists, or --served-model, which must be among them), and a one-token chat request. A refused
 request (HTTP 4xx: a wrong model name, a template error) stops the run with exit status 2 and what to fix; it is
-never retried. Connection errors, timeouts, HTTP 5xx and 429 are retried (--retries tries, backoff doubling from
-0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors file below), a
-400 for one request (a prompt longer than the context) at once. A server that stops answering is dropped and its
+never retried. Connection errors, timeouts, HTTP 429 and 5xx but 500 are retried (--retries tries, backoff
+doubling from 0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors
+file below), a 400 (a prompt longer than the context) or 500 (the server failed on it) for one request at once. A server that stops answering is dropped and its
 requests go to the others; with none left the run stops (exit status 1) and the rows in flight are not recorded
 as failed. A sampled request carries the API's `seed` from --seed, the row id and the turn: a server that honours
 it answers a resumed row as an uninterrupted run would (vLLM and SGLang only up to batch invariance).

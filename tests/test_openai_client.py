@@ -5,7 +5,7 @@ import json
 import re
 import socket
 import threading
-from collections import deque
+from collections import Counter, deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -134,7 +134,7 @@ def test_endpoint_without_scheme_works_and_bad_server_flags_are_usage_errors(stu
 def test_error_kinds(stubs):
     s = stubs()
     for code, kind in ((400, oc.Rejected), (404, oc.Rejected), (422, oc.Rejected), (429, oc.Transient),
-                       (500, oc.Transient), (503, oc.Transient)):
+                       (500, oc.Rejected), (502, oc.Transient), (503, oc.Transient)):
         s.status["x"] = code
         with pytest.raises(kind, match=f"{code}.*status {code} for x"):
             oc.request_json(s.url + "/v1/completions", {"model": "tgt", "prompt": "x", "max_tokens": 1})
@@ -277,17 +277,19 @@ def drain(pool, tags):
 
 def test_pool_spreads_work_and_fails_a_row_only_when_the_server_answers(stubs):
     a, b = stubs("a"), stubs("b")
-    a.status["bad"] = b.status["bad"] = 500    # a request that fails on every server that is up
+    a.status["bad"] = b.status["bad"] = 503    # a request that fails on every server that is up
     a.status["long"] = b.status["long"] = 400  # a request refused for itself (too long): no retry
+    a.status["odd"] = b.status["odd"] = 500    # the server fails on this prompt: it would again, no retry
     pool = oc.Pool([a.url, b.url], concurrency=2, tries=2)
     pool.probe()
-    got = drain(pool, [f"q{i}" for i in range(20)] + ["bad", "long"])
+    got = drain(pool, [f"q{i}" for i in range(20)] + ["bad", "long", "odd"])
     texts = {t: c[0].text for t, (c, err) in got.items() if c}
     assert {t: x.split("@")[0] for t, x in texts.items()} == {f"q{i}": f"q{i}" for i in range(20)}
     assert {x.split("@")[1] for x in texts.values()} == {"a", "b"}  # both servers took work
     assert isinstance(got["bad"][1], oc.Transient) and isinstance(got["long"][1], oc.Rejected)
-    long_tries = [p for p, body in a.seen + b.seen if body.get("messages", [{}])[-1].get("content") == "long"]
-    assert len(long_tries) == 1
+    assert isinstance(got["odd"][1], oc.Rejected) and got["odd"][1].status == 500
+    tries = Counter(body["messages"][-1]["content"] for p, body in a.seen + b.seen)
+    assert tries["long"] == tries["odd"] == 1 and tries["bad"] >= 2
 
 
 def test_pool_moves_work_off_a_dead_server_and_stops_when_all_are(stubs, capsys):

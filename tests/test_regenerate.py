@@ -181,7 +181,7 @@ def answer(text: str) -> str:
 class FakeServer:
     """/v1/models listing one model, "tgt"; /v1/chat/completions answering `answer(last user content)`. Requests are
     counted per conversation (its first user turn), the probe's apart (`probes`); `fail_once` prompts get one HTTP
-    500 first, `fail_always` prompts only 500s; "long" prompts end with finish_reason "length"; `reasoning` maps a
+    503 first, `fail_always` prompts only 503s (transient errors); "long" prompts end with finish_reason "length"; `reasoning` maps a
     last user content to (field, text) sent beside the answer, as a server with a reasoning parser does."""
 
     def __init__(self):
@@ -207,7 +207,7 @@ class FakeServer:
                     fail = users[0] in server.fail_always or (users[0] in server.fail_once
                                                               and server.requests[users[0]] == 1)
                 if self.path != "/v1/chat/completions" or fail:
-                    self.send_error(500 if fail else 404)
+                    self.send_error(503 if fail else 404)
                     return
                 message = {"role": "assistant", "content": " " + answer(users[-1]) + "\n"}
                 if users[-1] in server.reasoning:
@@ -246,8 +246,8 @@ PROMPTS = [
     {"id": "a", "category": "x", "messages": [user("alpha")]},
     {"id": "b", "messages": CHAT},                                             # multi-turn with a system prompt
     {"id": "c", "conversations": [{"from": "human", "value": "gamma"}, {"from": "gpt", "value": "old"}]},
-    {"id": "flaky", "messages": [user("flaky")]},                              # 500 on its first request
-    {"id": "broken", "messages": [user("broken")]},                            # always 500
+    {"id": "flaky", "messages": [user("flaky")]},                              # 503 on its first request
+    {"id": "broken", "messages": [user("broken")]},                            # always 503
     {"id": "long", "messages": [user("long")]},                                # finish_reason "length"
     NOID,                                                                      # id from the content hash
     b'{"id": "bad", "messages": [',                                            # unreadable: skipped, counted
