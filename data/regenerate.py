@@ -475,6 +475,7 @@ def main(argv=None) -> dict:
             ap.error(f"--model: {e}")
     if args.systems and not args.systems.is_file():
         ap.error(f"--systems {args.systems}: no such file")
+    args.output = resume.real_path(args.output)   # its side files beside the file itself, whatever path leads to it
     if args.output.is_dir():
         ap.error(f"--output {args.output} is a folder: give the path of a JSONL file, e.g. "
                  f"{args.output / 'regen.jsonl'}")

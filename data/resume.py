@@ -23,6 +23,13 @@ FINGERPRINT_DATA = 1 << 20                              # bytes of tensor data h
 SIDE_FILES = {"synthesize": ".rejected.jsonl", "regenerate": ".errors.jsonl"}   # written beside OUT by that tool only
 
 
+def real_path(out: Path) -> Path:
+    """`out` as given, or the file it leads to when a symbolic link is on its way: the files beside an output (its
+    lock, stats, rejected and errors files) are then the same by every path to it."""
+    real = Path(os.path.realpath(out))
+    return out if real == Path(os.path.abspath(out)) else real
+
+
 def stats_path(out: Path) -> Path:
     """OUT.stats.json: the settings that made OUT's rows (data.synthesize's counts too)."""
     return Path(str(out) + ".stats.json")
@@ -99,7 +106,7 @@ def locked(out: Path, tool: str):
     """Hold OUT.lock for the body; SystemExit naming the holder when another run holds it (nothing is changed).
     A lock file naming a run that is gone is taken over with a message. The lock sits beside the file itself (its
     path with symbolic links resolved), so two runs that reach one file by two paths exclude each other too."""
-    path = lock_path(Path(os.path.realpath(out)))
+    path = lock_path(Path(os.path.realpath(out)))   # (the tools pass real_path; this also holds for other callers)
     path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a+")
     held = False

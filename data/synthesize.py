@@ -583,6 +583,7 @@ def parse_args(argv):
                 setattr(args, name[2:], str(resolve_model_path(getattr(args, name[2:]))))
             except FileNotFoundError as e:
                 ap.error(f"{name}: {e}")
+    args.out = resume.real_path(args.out)   # its side files beside the file itself, whatever path leads to it
     if args.out.is_dir():
         ap.error(f"--out {args.out} is a folder: give the path of a JSONL file, e.g. {args.out / 'rows.jsonl'}")
     if args.system and args.systems:

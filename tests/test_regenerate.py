@@ -323,7 +323,8 @@ def test_a_torn_first_row_of_its_own_run_is_cut(tmp_path, server):
 
 def test_two_paths_to_one_output_share_its_lock_and_duplicate_ids_are_refused(tmp_path, server):
     """A run that reaches a held --output through a symbolic link is refused (the lock is the file's, not the
-    path's); an output that holds an id twice (two runs wrote at once) is refused on resume, left as it is."""
+    path's), and so are settings that differ from those of a run by another path; an output that holds an id twice
+    (two runs wrote at once) is refused on resume, left as it is."""
     from data import resume
     inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2]), tmp_path / "regen.jsonl"
     (tmp_path / "link.jsonl").symlink_to(out)
@@ -332,6 +333,10 @@ def test_two_paths_to_one_output_share_its_lock_and_duplicate_ids_are_refused(tm
             run(inp, tmp_path / "link.jsonl", server)
     assert not out.exists()
     run(inp, tmp_path / "link.jsonl", server)
+    write_jsonl(inp, PROMPTS[:3])
+    with pytest.raises(SystemExit, match="max_new_tokens: was 512, now 16"):   # its settings are the file's too
+        run(inp, out, server, "--max-new-tokens", "16")
+    write_jsonl(inp, PROMPTS[:2])
     rows = out.read_bytes()
     out.write_bytes(rows + rows.splitlines(keepends=True)[0])
     with pytest.raises(SystemExit, match=r"holds 1 id\(s\) more than once \(e.g. 'a'\).*keep the first row"):
