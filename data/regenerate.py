@@ -27,10 +27,11 @@ one /v1/models lists, or --served-model, which must be among them), and a one-to
 request (HTTP 4xx: a wrong model name, a template error) stops the run with exit status 2 and what to fix; it is
 never retried. Connection errors, timeouts, HTTP 429 and 5xx but 500 are retried (--retries tries, backoff
 doubling from 0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors
-file below), a 400 (a prompt longer than the context) or 500 (the server failed on it) for one request at once. A server that stops answering is dropped and its
-requests go to the others; with none left the run stops (exit status 1) and the rows in flight are not recorded
-as failed. A sampled request carries the API's `seed` from --seed, the row id and the turn: a server that honours
-it answers a resumed row as an uninterrupted run would (vLLM and SGLang only up to batch invariance).
+file below), a 400 (a prompt longer than the context) or 500 (the server failed on it) for one request at once.
+A server that stops answering is dropped and its requests go to the others; with none left the run stops (exit
+status 1) and the rows in flight are not recorded as failed. A sampled request carries the API's `seed` from --seed,
+the row id and the turn: a server that honours it answers a resumed row as an uninterrupted run would (vLLM and
+SGLang only up to batch invariance).
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
 drops a torn last line of its own rows (that prompt is redone); an --output whose lines are not this tool's rows (a
@@ -414,9 +415,9 @@ def _on_sigterm(signum, frame):
     raise Stopped("SIGTERM")
 
 
-def stopped(args, argv, why: str, written: int) -> SystemExit:
+def stopped(args, why: str, written: int) -> SystemExit:
     """The exit (status 1) of a run stopped by Ctrl-C or SIGTERM: what was kept and the command that goes on."""
-    command = f"{shlex.quote(sys.executable)} -m data.regenerate {shlex.join(argv)}"
+    command = f"{shlex.quote(sys.executable)} -m data.regenerate {shlex.join(args.argv)}"
     return SystemExit(f"regenerate: stopped by {why}: {written:,} rows written to {args.output} by this run stay, "
                       f"and the rows in flight were not recorded as failed. Run the same command again to go on:\n"
                       f"  {command}")
@@ -488,7 +489,7 @@ def main(argv=None) -> dict:
         try:
             return run(args)
         except (KeyboardInterrupt, Stopped) as e:   # before any row (loading, the probe): nothing to keep
-            raise stopped(args, argv, str(e) or "Ctrl-C", 0) from None
+            raise stopped(args, str(e) or "Ctrl-C", 0) from None
         finally:
             signal.signal(signal.SIGTERM, previous)
 
@@ -541,7 +542,7 @@ def run(args) -> dict:
                          f"not recorded as failed: start the server(s) and run the same command again to go on")
     except (KeyboardInterrupt, Stopped) as e:
         bar.close()
-        raise stopped(args, args.argv, str(e) or "Ctrl-C", sink.n_done) from None
+        raise stopped(args, str(e) or "Ctrl-C", sink.n_done) from None
     finally:
         bar.close()
         sink.close()

@@ -181,8 +181,9 @@ def answer(text: str) -> str:
 class FakeServer:
     """/v1/models listing one model, "tgt"; /v1/chat/completions answering `answer(last user content)`. Requests are
     counted per conversation (its first user turn), the probe's apart (`probes`); `fail_once` prompts get one HTTP
-    503 first, `fail_always` prompts only 503s (transient errors); "long" prompts end with finish_reason "length"; `reasoning` maps a
-    last user content to (field, text) sent beside the answer, as a server with a reasoning parser does."""
+    503 first, `fail_always` prompts only 503s (transient errors); "long" prompts end with finish_reason "length";
+    `reasoning` maps a last user content to (field, text) sent beside the answer, as a server with a reasoning
+    parser does."""
 
     def __init__(self):
         self.requests, self.bodies, self.probes = Counter(), [], []
