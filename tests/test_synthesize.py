@@ -602,6 +602,21 @@ def test_a_second_run_on_one_out_is_refused_naming_the_holder(tmp_path, qwen3_di
     assert len(by_id(dead)) == 5
 
 
+def test_a_run_by_a_symbolic_link_to_a_held_out_is_refused(tmp_path, qwen3_dir, scripted):
+    """The lock is the file's, not the path's: a second run that reaches a held --out through a symbolic link is
+    refused and changes nothing; a later run by the link resumes the file's rows, with its stats file."""
+    out, link = tmp_path / "s.jsonl", tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    synth(qwen3_dir, out, 4)
+    before = out.read_bytes()
+    with syn.resume.locked(out, "synthesize"):
+        with pytest.raises(SystemExit, match="is being written by another run"):
+            synth(qwen3_dir, link, 8)
+    assert out.read_bytes() == before
+    assert synth(qwen3_dir, link, 8)["kept"] == 8 and out.read_bytes().startswith(before)
+    assert not Path(f"{link}.stats.json").exists() and len(by_id(out)) == 8
+
+
 @pytest.fixture
 def model_dir(tmp_path, qwen3_dir):
     """The tokenizer with a config.json and a (tiny, fake) model.safetensors: a model folder as far as synthesize
