@@ -7,12 +7,15 @@ data.synthesize send their requests through it. Standard library only.
         ...                                    # request(tag) -> ("chat/completions" | "completions", body)
 
 Errors are sorted in three kinds, never guessed from a message:
-  Rejected (HTTP 4xx):  the request is wrong (a model name the server does not serve, a bad field, an auth error).
-                        Never retried. From the probe, or any 4xx but 400 during the run: the run stops (exit code 2
-                        in the tools). A 400 during the run is that request's own (a prompt longer than the context):
-                        its row fails at once; BAD_REQUESTS_STOP of them in a row with no success between stop the
-                        run too (then they are not the rows' fault).
-  transient:            connection refused / reset, timeouts, HTTP 5xx and 429, a reply that is not the JSON asked
+  Rejected (HTTP 4xx but 429, and 500): the request is wrong (a model name the server does not serve, a bad field,
+                        an auth error), or the server failed on it (500: an exception while serving it, which the
+                        same request meets again). Never retried. From the probe, or any 4xx but 400 during the
+                        run: the run stops (exit code 2 in the tools). A 400 or 500 during the run is that
+                        request's own (a prompt longer than the context, a prompt the server cannot handle): its row
+                        fails at once; BAD_REQUESTS_STOP of them in a row with no success between stop the run too
+                        (then they are not the rows' fault).
+  transient:            connection refused / reset, timeouts, HTTP 429, 502, 503, 504 and other 5xx but 500 (the
+                        server busy, starting or behind a proxy that lost it), a reply that is not the JSON asked
                         for. Retried on the same endpoint after RETRY_BACKOFF_S, doubling per try up to
                         RETRY_BACKOFF_MAX_S, each retry printed on one line.
   EndpointsDown:        a request that still fails after its tries leads to a health check of its endpoint
@@ -21,6 +24,9 @@ Errors are sorted in three kinds, never guessed from a message:
                         is down: its requests in flight go back to the shared queue for the other endpoints, with
                         their tries reset, and it takes no new work. When every endpoint is down the run stops with
                         EndpointsDown, and none of the requests in flight is reported as failed.
+
+Waits: the probe's requests wait PROBE_TIMEOUT_S a try (the run's, --timeout); a request of the run that has waited
+SLOW_REQUEST_S is reported on one line naming its endpoint, again after as long again.
 
 Several endpoints share one queue of work: each runs `concurrency` worker threads that take the next request from
 it, so a faster server takes more. Threads are daemons: a run that stops does not wait for requests in flight.
@@ -34,13 +40,19 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from typing import NamedTuple
 
 RETRY_BACKOFF_S = 0.5       # sleep before the 2nd try of a request; doubles per try
 RETRY_BACKOFF_MAX_S = 8.0   # ... up to this
-BAD_REQUESTS_STOP = 16      # HTTP 400s in a row (no success between) that stop a run: a systematic error, not rows
+BAD_REQUESTS_STOP = 16      # HTTP 400s / 500s in a row (no success between) that stop a run: not the rows' fault
+ROW_STATUSES = (400, 500)   # refusals that are one request's own during a run: its row fails, the run goes on
+PROBE_TIMEOUT_S = 60.0      # the probe's wait per try of its one-token requests (at most --timeout): a server that
+                            # lists its model but never answers is named in minutes, not --timeout x --retries
+SLOW_REQUEST_S = 60.0       # a request waiting this long for its answer is reported, per endpoint, and again after
+                            # as long again, while the run waits (up to --timeout)
 PROBE_MESSAGES = [{"role": "user", "content": "Hi"}]   # the probe's one-token chat request
 API_KEY_ENV = "OPENAI_API_KEY"   # sent as `Authorization: Bearer` when set (a server started with --api-key)
 FIXES = {  # HTTP status -> what the user can change
@@ -48,6 +60,7 @@ FIXES = {  # HTTP status -> what the user can change
     403: f"The server refused the key: check {API_KEY_ENV}",
     404: "Check the model name (--served-model; GET /v1/models lists the served ones) and the endpoint URL",
     400: "The request was malformed or too long for the server's context: check --max-new-tokens and the prompts",
+    500: "The server failed on this request (its log says why); the same request fails again, so it is not retried",
 }
 
 
@@ -58,8 +71,8 @@ class Choice(NamedTuple):
 
 
 class Rejected(Exception):
-    """The server refused a request (HTTP 4xx; status None: the probe found no model to ask for): the request must
-    change, retrying cannot help."""
+    """The server refused a request (HTTP 4xx but 429) or failed on it (500); status None: the probe found no model
+    to ask for. The request must change, retrying cannot help."""
 
     def __init__(self, url, status, message, fix=""):
         self.url, self.status, self.message = url, status, message
@@ -78,11 +91,25 @@ class EndpointsDown(Exception):
 # --- one HTTP request -----------------------------------------------------------------------------------------------
 
 def base_url(url: str) -> str:
-    """'http://host:port', '.../v1' or '.../v1/' -> 'http://host:port/v1'."""
+    """'http://host:port', '.../v1' or '.../v1/' -> 'http://host:port/v1'; 'host:port' (no scheme, as vLLM and
+    SGLang print their address) is taken as http://host:port. ValueError for another scheme or no host."""
     url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"endpoint {url!r} is not an http(s) URL: give e.g. http://127.0.0.1:30000")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")) or not urllib.parse.urlsplit(url).hostname:
+        raise ValueError(f"endpoint {url!r} is not an http(s) URL of a server: give e.g. http://127.0.0.1:30000")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def check_args(ap, args):
+    """The tools' --endpoint and --timeout, checked before anything runs: ap.error (exit status 2) naming the fix."""
+    for url in args.endpoint:
+        try:
+            base_url(url)
+        except ValueError as e:
+            ap.error(f"--endpoint: {e}")
+    if not 0 < args.timeout < float("inf"):
+        ap.error(f"--timeout {args.timeout:g} must be more than 0: the seconds to wait for one answer (e.g. 600)")
 
 
 def server_message(body: bytes) -> str:
@@ -99,7 +126,8 @@ def server_message(body: bytes) -> str:
 
 
 def request_json(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
-    """GET (body None) or POST JSON -> the decoded reply. Rejected for HTTP 4xx but 429; Transient otherwise."""
+    """GET (body None) or POST JSON -> the decoded reply. Rejected for HTTP 4xx but 429, and 500; Transient
+    otherwise."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if os.environ.get(API_KEY_ENV):
@@ -110,7 +138,7 @@ def request_json(url: str, body: dict | None = None, timeout: float = 600.0) -> 
             raw = r.read()
     except urllib.error.HTTPError as e:
         msg = server_message(e.read() or b"")
-        if 400 <= e.code < 500 and e.code != 429:
+        if 400 <= e.code < 500 and e.code != 429 or e.code == 500:
             raise Rejected(url, e.code, msg, FIXES.get(e.code, "")) from None
         raise Transient(f"{url}: HTTP {e.code}: {msg}") from None
     except urllib.error.URLError as e:   # connection refused, unknown host; a timeout while connecting
@@ -240,10 +268,11 @@ class Endpoint:
             raise Transient(f"{self.url}/models: not a model list: {str(reply)[:200]}")
         return data
 
-    def post(self, path: str, body: dict) -> list[Choice]:
+    def post(self, path: str, body: dict, timeout: float | None = None) -> list[Choice]:
         """One try of POST /v1/<path> with the model filled in -> its choices."""
         url = f"{self.url}/{path}"
-        return choices_of(request_json(url, {"model": self.model, **body}, self.timeout), url, path.startswith("chat"))
+        return choices_of(request_json(url, {"model": self.model, **body}, timeout or self.timeout), url,
+                          path.startswith("chat"))
 
     def chat(self, messages, max_tokens, **kw) -> Choice:
         """/v1/chat/completions, one try (chat_request's keywords)."""
@@ -271,15 +300,21 @@ class Endpoint:
         self.model = served_model
         info = next(m for m in models if m["id"] == served_model)
         self.max_len = info.get("max_model_len") if isinstance(info.get("max_model_len"), int) else None
+        wait = min(self.timeout, PROBE_TIMEOUT_S)
         try:
             url = f"{self.url}/chat/completions"
             body = {"model": self.model, **chat_request(PROBE_MESSAGES, 1, thinking=thinking)[1]}
-            reply = with_retries(lambda: request_json(url, body, self.timeout), self.tries, "openai_client: probe")
+            reply = with_retries(lambda: request_json(url, body, wait), self.tries, "openai_client: probe")
             self.prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
             choices_of(reply, url, chat=True)
             if completions:
                 url = f"{self.url}/completions"
-                with_retries(lambda: self.complete("Hi", 1), self.tries, "openai_client: probe")
+                with_retries(lambda: self.post(*completion_request("Hi", 1), timeout=wait), self.tries,
+                             "openai_client: probe")
+        except Transient as e:
+            raise EndpointsDown(f"{self.url} lists model {self.model!r} but did not answer a one-token request in "
+                                f"{self.tries} tries of up to {wait:g} s ({e}): check the server's log (is it still "
+                                f"loading, or stuck?), then run again") from None
         except Rejected as e:
             what = "a one-token chat request" if url.endswith("chat/completions") else \
                 "a one-token raw completion"
@@ -312,7 +347,8 @@ class Pool:
         return min(lens) if lens else None
 
     def probe(self, completions=False, thinking=None):
-        """Probe every endpoint (a listed endpoint that does not answer is an error: likely a wrong URL)."""
+        """Probe every endpoint (a listed endpoint that does not answer is an error: likely a wrong URL). Rejected
+        when they serve different models: one output holds one model's answers."""
         for e in self.endpoints:
             try:
                 e.probe(self.served_model, completions, thinking)
@@ -320,6 +356,11 @@ class Pool:
                 raise EndpointsDown(f"{e.url} does not answer after {self.tries} tries ({err}). Start the server, "
                                     f"or check the URL and port") from None
             self.say(f"{e.url}: model {e.model!r}" + (f", context {e.max_len:,} tokens" if e.max_len else ""))
+            if e.model != self.endpoints[0].model:
+                raise Rejected(e.url, None, f"it serves {e.model!r}, {self.endpoints[0].url} serves "
+                               f"{self.endpoints[0].model!r}: one run's rows must come from one model",
+                               "Give endpoints that serve one model, or --served-model NAME when each of them "
+                               "serves a model of that name")
 
     def healthy(self, e: Endpoint) -> bool:
         try:
@@ -331,7 +372,7 @@ class Pool:
     def run(self, pending: deque, request):
         """Yields (tag, [Choice] or None, error or None) in completion order for the tags taken from the left of
         `pending`, which the caller may append to while iterating. request(tag) -> (path, body), made in the
-        caller's thread when the tag is sent. error: the Rejected (HTTP 400) or Transient that failed the request.
+        caller's thread when the tag is sent. error: the Rejected (HTTP 400, 500) or Transient that failed the request.
         Raises Rejected (a 4xx that is not a row's own) and EndpointsDown; then the requests in flight are not
         reported."""
         live = [e for e in self.endpoints if not e.down]
@@ -339,6 +380,7 @@ class Pool:
             raise EndpointsDown("no endpoint is up")
         work, results, stop = queue.Queue(), queue.Queue(), threading.Event()
         capacity = self.concurrency * len(live)
+        waiting, reported = {}, {}   # worker thread -> (endpoint, when its request was sent); URL -> next report
 
         def worker(e: Endpoint):
             while not stop.is_set():
@@ -349,8 +391,14 @@ class Pool:
                     work.put(item)
                     return
                 tag, path, body, attempt = item
+                me = threading.get_ident()
                 try:
-                    results.put(("ok", tag, e.post(path, body), None))
+                    waiting[me] = (e, time.monotonic())   # report_slow reads it
+                    try:
+                        choices = e.post(path, body)
+                    finally:
+                        del waiting[me]
+                    results.put(("ok", tag, choices, None))
                     continue
                 except Rejected as err:
                     results.put(("rejected", tag, None, err))
@@ -377,6 +425,21 @@ class Pool:
                     results.put(("down", None, None, err))
                     return
 
+        def report_slow():
+            """A line per endpoint whose oldest request has waited SLOW_REQUEST_S, again after as long again: a
+            server that takes requests but never answers is seen while the run waits."""
+            now = time.monotonic()
+            slow = {}
+            for e, sent in list(waiting.values()):
+                if now - sent >= SLOW_REQUEST_S:
+                    n, oldest = slow.get(e, (0, now))
+                    slow[e] = (n + 1, min(oldest, sent))
+            for e, (n, oldest) in slow.items():
+                if now >= reported.get(e.url, 0.0):
+                    reported[e.url] = now + SLOW_REQUEST_S
+                    self.say(f"{e.url}: {n} request(s) waiting for an answer, the oldest for {now - oldest:.0f} s "
+                             f"(--timeout {e.timeout:g} s)")
+
         threads = [threading.Thread(target=worker, args=(e,), daemon=True, name=f"openai-{e.url}-{i}")
                    for e in live for i in range(self.concurrency)]
         for t in threads:
@@ -391,7 +454,12 @@ class Pool:
                     inflight += 1
                 if not inflight:
                     return
-                kind, tag, choices, err = results.get()
+                try:
+                    kind, tag, choices, err = results.get(timeout=SLOW_REQUEST_S / 4)
+                except queue.Empty:
+                    report_slow()
+                    continue
+                report_slow()
                 if kind == "down":
                     if all(e.down for e in self.endpoints):
                         raise EndpointsDown(f"every endpoint is down ({', '.join(e.url for e in self.endpoints)}); "
@@ -399,7 +467,7 @@ class Pool:
                     continue
                 inflight -= 1
                 if kind == "rejected":
-                    if err.status != 400:
+                    if err.status not in ROW_STATUSES:
                         raise err
                     bad_in_row += 1
                     if bad_in_row >= BAD_REQUESTS_STOP:

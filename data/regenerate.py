@@ -25,23 +25,31 @@ Server generation (data/openai_client.py) sends one /v1/chat/completions request
 endpoint, the rows shared by all the endpoints given. Before any row each server is probed: the model name (the
 one /v1/models lists, or --served-model, which must be among them), and a one-token chat request. A refused
 request (HTTP 4xx: a wrong model name, a template error) stops the run with exit status 2 and what to fix; it is
-never retried. Connection errors, timeouts, HTTP 5xx and 429 are retried (--retries tries, backoff doubling from
-0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors file below), a
-400 for one request (a prompt longer than the context) at once. A server that stops answering is dropped and its
-requests go to the others; with none left the run stops (exit status 1) and the rows in flight are not recorded
-as failed. A sampled request carries the API's `seed` from --seed, the row id and the turn: a server that honours
-it answers a resumed row as an uninterrupted run would (vLLM and SGLang only up to batch invariance).
+never retried. Connection errors, timeouts, HTTP 429 and 5xx but 500 are retried (--retries tries, backoff
+doubling from 0.5 s to 8 s); a request that still fails while its server answers fails its row (into the errors
+file below), a 400 (a prompt longer than the context) or 500 (the server failed on it) for one request at once.
+A server that stops answering is dropped and its requests go to the others; with none left the run stops (exit
+status 1) and the rows in flight are not recorded as failed. A sampled request carries the API's `seed` from --seed,
+the row id and the turn: a server that honours it answers a resumed row as an uninterrupted run would (vLLM and
+SGLang only up to batch invariance).
 
 Resumable: finished rows are appended (flushed) as they complete; a rerun skips the ids already in the output and
-drops a torn last line (that prompt is redone); an --output whose lines parse but are not this tool's rows (a prompt
-file given by mistake), or that is the --input, is refused and left as it is. One run at a time writes an --output
-(OUTPUT.lock, as data.synthesize). A prompt that still fails after `--retries` tries goes to
-OUTPUT.errors.jsonl and is attempted again on the next run; it never stops the job.
+drops a torn last line of its own rows (that prompt is redone); an --output whose lines are not this tool's rows (a
+prompt file given by mistake, a text file), that holds an id twice, that is the --input, or that data.synthesize
+wrote, is refused and left as it is. OUTPUT.stats.json records the settings that shape the rows (the model:
+--model's config.json and weights fingerprint, or the served model name; --turns, --max-new-tokens,
+--temperature, --thinking, --seed, --systems) before the first row: a resume with others is refused, as
+data.synthesize refuses it. One run at a time writes an --output (OUTPUT.lock, as data.synthesize). A prompt that
+still fails after `--retries` tries goes to OUTPUT.errors.jsonl and is attempted again on the next run; it never
+stops the job. Ctrl-C or SIGTERM ends the run with exit status 1, the rows written kept, the rows in flight not
+recorded as failed, and prints the command that goes on.
 """
 import argparse
 import hashlib
 import json
 import os
+import shlex
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -151,8 +159,46 @@ def output_row(row) -> None:
 
 def read_done(output: Path) -> set[str]:
     """Ids already written (data.resume.read_back: a torn last line is cut off and its prompt redone, nothing else
-    is changed; a file of other JSON, e.g. a prompt file given as --output, is refused)."""
-    return {row["id"] for row in resume.read_back(output, "regenerate", output_row)}
+    is changed; a file of other JSON, e.g. a prompt file given as --output, is refused). An id written twice (two
+    runs at once, before the lock) is refused, as data.synthesize refuses it: skipping the copies would leave a
+    file that trains on those rows twice, and which of two different answers to keep is the user's call."""
+    owned = (resume.owner(output) or ("",))[0] == "regenerate"
+    ids = Counter(row["id"] for row in resume.read_back(output, "regenerate", output_row, owned))
+    twice = [i for i, n in ids.items() if n > 1]
+    if twice:
+        raise SystemExit(f"regenerate: {output} holds {len(twice):,} id(s) more than once (e.g. {twice[0]!r}): two "
+                         f"runs wrote it at once. It was left as it is: keep the first row of each id, then run "
+                         f"again")
+    return set(ids)
+
+
+def run_config(args, pool=None) -> dict:
+    """The settings that shape the rows, recorded in OUTPUT.stats.json before the first row; a resumed run must
+    have the same (as data.synthesize's). The model: --model's config.json and weights fingerprint, or the name
+    the servers serve (a server does not show its weights)."""
+    cfg = Path(args.model) / "config.json" if args.model else None
+    return {"model_config": resume.file_hash(cfg) if cfg and cfg.exists() else None,
+            "model_weights": resume.weights_fingerprint(args.model) if args.model else None,
+            "served_model": pool.endpoints[0].model if pool else None,
+            "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "thinking": args.thinking, "seed": args.seed,
+            "systems": resume.file_hash(args.systems) if args.systems else None}
+
+
+def check_resume(output: Path, config: dict, have_rows: bool):
+    """SystemExit when rows exist and OUTPUT.stats.json says other settings (or another model) made them; then
+    this run's settings are recorded. Rows from before the settings were recorded are taken as this run's, with a
+    note."""
+    old = resume.read_settings(output, "regenerate")
+    if have_rows and old is None:
+        print(f"regenerate: note: {output} has no {resume.stats_path(output).name} (written before the settings "
+              f"were recorded): its rows are taken as made by this run's model and settings, recorded from now on",
+              file=sys.stderr)
+    elif have_rows:
+        resume.check_settings("regenerate", output, old["config"], config)
+    tmp = Path(str(resume.stats_path(output)) + ".tmp")
+    tmp.write_text(json.dumps({"tool": "regenerate", "config": config}, indent=2) + "\n")
+    os.replace(tmp, resume.stats_path(output))
 
 
 class Sink:
@@ -162,7 +208,7 @@ class Sink:
         output.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(output, "a", encoding="utf-8")
         self.err = open(str(output) + ".errors.jsonl", "a", encoding="utf-8")
-        self.n_failed = 0
+        self.n_done = self.n_failed = 0
 
     def _write(self, f, obj):
         f.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -170,6 +216,7 @@ class Sink:
         os.fsync(f.fileno())
 
     def done(self, row, messages, finish_reasons):
+        self.n_done += 1
         self._write(self.out, {**{k: v for k, v in row.items() if k != "conversations"},
                                "id": row_id(row), "messages": messages, "finish_reasons": finish_reasons})
 
@@ -360,8 +407,26 @@ def run_http(pool, todo, sink, args, thinking, progress) -> int:
     return no_reasoning
 
 
+class Stopped(Exception):
+    """SIGTERM, raised in the main thread: the rows written stay, the run ends as a Ctrl-C does."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped("SIGTERM")
+
+
+def stopped(args, why: str, written: int) -> SystemExit:
+    """The exit (status 1) of a run stopped by Ctrl-C or SIGTERM: what was kept and the command that goes on."""
+    command = f"{shlex.quote(sys.executable)} -m data.regenerate {shlex.join(args.argv)}"
+    return SystemExit(f"regenerate: stopped by {why}: {written:,} rows written to {args.output} by this run stay, "
+                      f"and the rows in flight were not recorded as failed. Run the same command again to go on:\n"
+                      f"  {command}")
+
+
 def main(argv=None) -> dict:
-    """-> counts of this run (for tests): done before, to do, skipped {reason: n}, duplicates, failed."""
+    """-> counts of this run (for tests): done before, to do, skipped {reason: n}, duplicates, failed. SystemExit
+    (status 1) with the command that goes on when stopped by Ctrl-C or SIGTERM."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", type=Path, required=True, help="conversations or prompts (.jsonl/.json/.parquet/folder)")
     ap.add_argument("--output", type=Path, required=True, help="JSONL to append to (resumed if it exists)")
@@ -391,8 +456,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--systems", type=Path, help="JSONL of {name, text, weight}: a system prompt drawn by weight for "
                                                  "each row without one of its own (data/default/systems.jsonl)")
     args = ap.parse_args(argv)
+    args.argv = argv
     if bool(args.model) == bool(args.endpoint):
         ap.error("give exactly one of --model (local generate) or --endpoint (server)")
+    if args.endpoint:
+        oc.check_args(ap, args)
     for name, ok, want in (("--limit", args.limit >= 0, "0 (all) or more"),
                            ("--retries", args.retries >= 1, "at least 1"),
                            ("--batch-size", args.batch_size >= 0, "0 (automatic) or more"),
@@ -408,6 +476,7 @@ def main(argv=None) -> dict:
             ap.error(f"--model: {e}")
     if args.systems and not args.systems.is_file():
         ap.error(f"--systems {args.systems}: no such file")
+    args.output = resume.real_path(args.output)   # its side files beside the file itself, whatever path leads to it
     if args.output.is_dir():
         ap.error(f"--output {args.output} is a folder: give the path of a JSONL file, e.g. "
                  f"{args.output / 'regen.jsonl'}")
@@ -415,7 +484,14 @@ def main(argv=None) -> dict:
         ap.error(f"--output {args.output} is the --input file: the rows would be taken as already done and the "
                  f"prompts appended to; give another --output")
     with resume.locked(args.output, "regenerate"):   # one run per --output: two would write every row twice
-        return run(args)
+        resume.check_owner(args.output, "regenerate")
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)   # a stop (timeout, kill) ends as Ctrl-C does
+        try:
+            return run(args)
+        except (KeyboardInterrupt, Stopped) as e:   # before any row (loading, the probe): nothing to keep
+            raise stopped(args, str(e) or "Ctrl-C", 0) from None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> dict:
@@ -435,11 +511,14 @@ def run(args) -> dict:
     if not todo:
         return counts
     from tqdm import tqdm
+    pool = oc.connect("regenerate", args, thinking=thinking) if args.endpoint else None
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    check_resume(args.output, run_config(args, pool), bool(done))   # before any model loads and any row is written
     if args.model:
         backend = LocalBackend(args.model, args.device, args.dtype, args.max_new_tokens, args.temperature,
                                thinking, args.seed, args.engine, args.batch_size, args.max_len)
     else:
-        backend = oc.connect("regenerate", args, thinking=thinking)
+        backend = pool
     sink = Sink(args.output)
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     t0 = time.perf_counter()
@@ -461,6 +540,9 @@ def run(args) -> dict:
     except oc.EndpointsDown as e:
         raise SystemExit(f"regenerate: stopped: {e}\nregenerate: the rows written stay and the rows in flight were "
                          f"not recorded as failed: start the server(s) and run the same command again to go on")
+    except (KeyboardInterrupt, Stopped) as e:
+        bar.close()
+        raise stopped(args, str(e) or "Ctrl-C", sink.n_done) from None
     finally:
         bar.close()
         sink.close()

@@ -51,8 +51,9 @@ At most WINDOW_PER_SLOT * --batch-size candidates are in flight; a row is writte
 second) once every lower index of its stream is, so a stop loses at most the candidates in flight; a SIGTERM or
 Ctrl-C still records the run (rows, tokens, wall time) in OUT.stats.json and prints the final line. A self-written
 opener is judged for duplicates only once every lower index's opener was, so the verdicts are those of one pass in
-index order. A torn last line (it does not parse) is dropped; a complete last line that only lacks its newline is
-kept; a file of other JSON given as --out (a prompt file) is refused and left as it is. The settings that shape the
+index order. A torn last line (it does not parse) after rows of this tool is dropped; a complete last line that only
+lacks its newline is kept; a file of other JSON given as --out (a prompt file), one whose only line is not JSON, or
+an output of data.regenerate is refused and left as it is. The settings that shape the
 rows (--seed, --turns, --system(s), temperatures, token caps, the model's config.json and weights (their headers and
 first MiB), mix, openers and held-out files) are recorded in OUT.stats.json and must match when resuming; --num,
 --mix-ratio, --batch-size, --attention, --compile-sampler, --device and --dtype may change (a bf16 run samples
@@ -193,10 +194,10 @@ def read_systems(path: Path) -> list[Opener]:
 
 # --- files ----------------------------------------------------------------------------------------------------------
 
-def read_back(path: Path) -> list[dict]:
+def read_back(path: Path, owned: bool = False) -> list[dict]:
     """Rows already written (data.resume.read_back: a torn last line is cut, nothing else is changed; a file of
-    other JSON, e.g. a prompt file given as --out, is refused)."""
-    return resume.read_back(path, "synthesize", stream_of)
+    other JSON, e.g. a prompt file given as --out, is refused). owned: the stats file says synthesize made it."""
+    return resume.read_back(path, "synthesize", stream_of, owned)
 
 
 def stream_of(row: dict) -> tuple[str, int]:
@@ -242,8 +243,7 @@ def rejected_path(out: Path) -> Path:
     return Path(str(out) + ".rejected.jsonl")  # beside OUT, as data.regenerate's OUT.errors.jsonl
 
 
-def stats_path(out: Path) -> Path:
-    return Path(str(out) + ".stats.json")
+stats_path = resume.stats_path
 
 
 def write_json(path: Path, obj):
@@ -252,8 +252,7 @@ def write_json(path: Path, obj):
     os.replace(tmp, path)
 
 
-def file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+file_hash = resume.file_hash
 
 
 # --- one candidate --------------------------------------------------------------------------------------------------
@@ -488,29 +487,18 @@ def check_resume(path: Path, config: dict, have_rows: bool) -> dict:
     "model_weights") takes this run's, with a note: its config.json hash still has to match."""
     if not have_rows:
         return {}
-    if not path.exists():
+    out = Path(str(path).removesuffix(".stats.json"))
+    old = resume.read_settings(out, "synthesize")
+    if old is None:
         raise SystemExit(f"synthesize: rows exist but {path} (which records how they were made) is missing; "
                          f"restore it, or write to a new --out")
-    try:
-        old = json.loads(path.read_text())
-        assert isinstance(old, dict) and isinstance(old.get("config"), dict)
-    except (ValueError, AssertionError):
-        raise SystemExit(f"synthesize: {path} is not a stats file written by data.synthesize; restore it, or write "
-                         f"to a new --out")
     was = old["config"]
     if "model_weights" not in was:
         print(f"synthesize: note: {path} predates the weights' fingerprint; the rows are taken as made by the "
               f"weights of --model (its config.json must still match), whose fingerprint is recorded from now on",
               file=sys.stderr)
         was["model_weights"] = config["model_weights"]
-    diff = [k for k in sorted(set(config) | set(was)) if was.get(k) != config.get(k)]
-    if diff:
-        said = "; ".join(f"{k}: was {was.get(k)!r}, now {config.get(k)!r}" for k in diff)
-        model = (" The rows were written by another model (other weights behind the same config.json mix two "
-                 "models' answers): use the model that wrote them.") if "model_weights" in diff else ""
-        raise SystemExit(f"synthesize: cannot resume {str(path).removesuffix('.stats.json')}: settings differ "
-                         f"({said}).{model} Rows made with other settings would not match the ones written: use the "
-                         f"earlier settings, or a new --out")
+    resume.check_settings("synthesize", out, was, config)
     return old
 
 
@@ -583,6 +571,7 @@ def parse_args(argv):
                      "--tokenizer DIR (its tokenizer.json, tokenizer_config.json, chat template) or --model DIR")
         if args.concurrency < 1 or args.retries < 1:
             ap.error("--concurrency and --retries must be at least 1")
+        oc.check_args(ap, args)
         args.batch_size = args.concurrency * len(args.endpoint)  # the requests in flight: the window's unit
     elif not args.model:
         ap.error("give --model DIR (the local engine) or --endpoint URL (a server)")
@@ -594,6 +583,7 @@ def parse_args(argv):
                 setattr(args, name[2:], str(resolve_model_path(getattr(args, name[2:]))))
             except FileNotFoundError as e:
                 ap.error(f"{name}: {e}")
+    args.out = resume.real_path(args.out)   # its side files beside the file itself, whatever path leads to it
     if args.out.is_dir():
         ap.error(f"--out {args.out} is a folder: give the path of a JSONL file, e.g. {args.out / 'rows.jsonl'}")
     if args.system and args.systems:
@@ -621,6 +611,7 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
     with resume.locked(args.out, "synthesize"):   # one run per --out: two would write every row twice
+        resume.check_owner(args.out, "synthesize")
         return run(args, argv)
 
 
@@ -630,7 +621,8 @@ def run(args, argv) -> dict:
     pool = connect(args, tok) if args.endpoint else None   # the probe, before anything is written
     config = run_config(args, tok, pool)
     written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
-    back = read_back(args.out) + read_back(rejected_path(args.out))
+    owned = (resume.owner(args.out) or ("",))[0] == "synthesize"
+    back = read_back(args.out, owned) + read_back(rejected_path(args.out), owned)
     twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
     if twice:   # two runs wrote at once (before OUT.lock): counting the copies as rows would overshoot --num
         raise SystemExit(f"synthesize: {args.out} and its rejected file hold {len(twice):,} id(s) more than once (e.g. "
@@ -813,7 +805,7 @@ def summarize(config, stats, nxt, runs) -> dict:
         total["length_capped"] += st["length_capped"]
         for r, n in st["rejected"].items():
             total["rejected"][r] = total["rejected"].get(r, 0) + n   # server_error: --endpoint runs only
-    return {"config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
+    return {"tool": "synthesize", "config": config, **total, "candidates": dict(nxt), "streams": stats, "runs": runs}
 
 
 class Stopped(Exception):

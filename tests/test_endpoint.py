@@ -207,7 +207,7 @@ def test_regenerate_dead_server_is_named_and_nothing_is_lost(tmp_path, url, caps
 
 
 def stop_server(name: str, timeout=60):
-    """SIGTERM the tools.serve_openai process serving `name` and wait until it has exited (tests/server.py's
+    """SIGTERM the tools.serve_openai process with `name` in its command line and wait until it has exited (tests/server.py's
     `serving` then finds it stopped, with its exit status 0)."""
     pid = next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and
                {b"tools.serve_openai", name.encode()} <= set(Path(d, "cmdline").read_bytes().split(b"\0")))
@@ -224,19 +224,21 @@ def stop_server(name: str, timeout=60):
 
 
 def test_two_servers_share_a_run_and_one_dying_loses_nothing(tmp_path, url, model_dir):
-    """Two server processes (each serving the model under its own name: each endpoint asks for the one it lists);
+    """Two server processes of one model (the second from another path to its folder, which names its process);
     the second stops mid-run: its request in flight goes to the first, the run ends with every row once, none
     failed."""
     inp, out = prompts_file(tmp_path), tmp_path / "r.jsonl"
-    with one_thread(), serving(model_dir, "--served-model", "second") as other:
+    second = tmp_path / "second"
+    second.symlink_to(model_dir)
+    with one_thread(), serving(second, "--served-model", NAME) as other:
         proc = subprocess.Popen([sys.executable, "-m", "data.regenerate", *map(str, regen_args(inp, out, url, other))],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         while len(lines(out)) < 6 and proc.poll() is None:
             time.sleep(0.02)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        stop_server("second")
+        stop_server(str(second))
         err = proc.communicate(timeout=240)[1]
         assert proc.returncode == 0, err[-2000:]
-    assert f"{oc.base_url(other)}: model 'second'" in err and f"{oc.base_url(url)}: model '{NAME}'" in err
+    assert f"{oc.base_url(other)}: model '{NAME}'" in err and f"{oc.base_url(url)}: model '{NAME}'" in err
     assert f"{oc.base_url(other)} is down" in err and f"its requests go to {oc.base_url(url)}" in err
     assert set(by_id(out)) == {p["id"] for p in PROMPTS} and not lines(Path(f"{out}.errors.jsonl"))

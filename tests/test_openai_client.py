@@ -2,9 +2,10 @@
 the pool's retries and failover, against small in-process HTTP stubs (the end-to-end runs through the project's
 real server are tests/test_endpoint.py)."""
 import json
+import re
 import socket
 import threading
-from collections import deque
+from collections import Counter, deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -99,17 +100,41 @@ def dead_url():
 
 def test_base_url_and_backoff():
     assert oc.base_url("http://h:1") == oc.base_url("http://h:1/") == oc.base_url("http://h:1/v1/") == "http://h:1/v1"
-    with pytest.raises(ValueError, match="http"):
-        oc.base_url("h:1")
+    assert oc.base_url("h:1") == oc.base_url(" h:1/v1 ") == "http://h:1/v1"   # vLLM users type host:port
+    for bad in ("ftp://h:1", "http:///v1", ":8000"):
+        with pytest.raises(ValueError, match="http"):
+            oc.base_url(bad)
     waits = [oc.backoff_s(a) for a in range(10)]
     assert waits[:2] == [oc.RETRY_BACKOFF_S, 2 * oc.RETRY_BACKOFF_S] and max(waits) == oc.RETRY_BACKOFF_MAX_S
     assert waits == sorted(waits)
 
 
+def test_endpoint_without_scheme_works_and_bad_server_flags_are_usage_errors(stubs, tmp_path, qwen3_dir, capsys):
+    """`--endpoint 127.0.0.1:PORT` is taken as http://; an endpoint of another scheme and a --timeout that is not
+    above 0 are usage errors (exit status 2) naming the fix, in both tools, before anything is written."""
+    from data import regenerate as regen
+    from data import synthesize as syn
+    s = stubs()
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url.removeprefix("http://")])
+    assert json.loads(out.read_text())["messages"][-1]["content"] == "q@s"
+    for extra, said in ((["--endpoint", "ftp://h:1"], "--endpoint: endpoint 'ftp://h:1' is not an http"),
+                        (["--endpoint", s.url, "--timeout", "-1"], "--timeout -1 must be more than 0"),
+                        (["--endpoint", s.url, "--timeout", "0"], "--timeout 0 must be more than 0")):
+        for main, flags in ((regen.main, ["--input", str(prompts), "--output", str(tmp_path / "o.jsonl")]),
+                            (syn.main, ["--tokenizer", str(qwen3_dir), "--num", "2", "--out",
+                                        str(tmp_path / "o.jsonl")])):
+            with pytest.raises(SystemExit) as e:
+                main(flags + extra)
+            assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_error_kinds(stubs):
     s = stubs()
     for code, kind in ((400, oc.Rejected), (404, oc.Rejected), (422, oc.Rejected), (429, oc.Transient),
-                       (500, oc.Transient), (503, oc.Transient)):
+                       (500, oc.Rejected), (502, oc.Transient), (503, oc.Transient)):
         s.status["x"] = code
         with pytest.raises(kind, match=f"{code}.*status {code} for x"):
             oc.request_json(s.url + "/v1/completions", {"model": "tgt", "prompt": "x", "max_tokens": 1})
@@ -179,6 +204,25 @@ def test_probe_chooses_the_model(stubs):
         oc.Endpoint(one.url).probe()
 
 
+def test_endpoints_serving_different_models_are_refused_unless_one_is_named(stubs, tmp_path):
+    """Two servers of two models would mix two models' answers in one output: the probe refuses (regenerate exits
+    with status 2 before any row); --served-model picks a name both serve."""
+    from data import regenerate as regen
+    a, b = stubs("a", models=[{"id": "small"}]), stubs("b", models=[{"id": "big"}, {"id": "small"}])
+    c = stubs("c", models=[{"id": "big"}])
+    with pytest.raises(oc.Rejected, match=r"it serves 'big', .* serves 'small': one run's rows must come from one "
+                                          r"model.*--served-model"):
+        oc.Pool([a.url, c.url]).probe()
+    pool = oc.Pool([a.url, b.url], served_model="small")
+    pool.probe()
+    assert [e.model for e in pool.endpoints] == ["small", "small"]
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", a.url, c.url])
+    assert e.value.code == 2 and not out.exists()
+
+
 def test_chat_and_complete_of_one_endpoint(stubs):
     s = stubs()
     e = oc.Endpoint(s.url)
@@ -198,6 +242,31 @@ def test_probe_of_a_dead_server_names_it(capsys):
     assert capsys.readouterr().err.count("retry 2/2") == 1
 
 
+def test_a_server_that_lists_its_model_but_never_answers_is_named_soon(stubs, monkeypatch, tmp_path, capsys):
+    """The probe waits PROBE_TIMEOUT_S per try, not --timeout: a server that lists its model but does not answer is
+    named with the fix in seconds. A request of the run that waits SLOW_REQUEST_S is reported on stderr with its
+    endpoint and the seconds waited, while the run goes on waiting for it."""
+    import time
+    from data import regenerate as regen
+    monkeypatch.setattr(oc, "PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(oc, "SLOW_REQUEST_S", 0.4)
+    s = stubs()
+    s.answer = lambda prompt, body: time.sleep(1.2) or f"a:{prompt}"
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    t0 = time.time()
+    with pytest.raises(SystemExit, match=r"lists model 'tgt' but did not answer a one-token request in 2 tries of "
+                                         r"up to 0.3 s .*check the server's log"):
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url, "--retries", "2"])
+    assert time.time() - t0 < 5 and not out.exists()
+    s.answer = lambda prompt, body: (time.sleep(1.2) if prompt == "q" else None) or f"a:{prompt}"
+    capsys.readouterr()
+    regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url, "--timeout", "30"])
+    assert json.loads(out.read_text())["messages"][-1]["content"] == "a:q"
+    assert re.search(re.escape(s.url) + r"/v1: 1 request\(s\) waiting for an answer, the oldest for \d+ s "
+                     r"\(--timeout 30 s\)", capsys.readouterr().err)
+
+
 def chat_of(tag):
     return oc.chat_request([{"role": "user", "content": tag}], 4)
 
@@ -208,17 +277,19 @@ def drain(pool, tags):
 
 def test_pool_spreads_work_and_fails_a_row_only_when_the_server_answers(stubs):
     a, b = stubs("a"), stubs("b")
-    a.status["bad"] = b.status["bad"] = 500    # a request that fails on every server that is up
+    a.status["bad"] = b.status["bad"] = 503    # a request that fails on every server that is up
     a.status["long"] = b.status["long"] = 400  # a request refused for itself (too long): no retry
+    a.status["odd"] = b.status["odd"] = 500    # the server fails on this prompt: it would again, no retry
     pool = oc.Pool([a.url, b.url], concurrency=2, tries=2)
     pool.probe()
-    got = drain(pool, [f"q{i}" for i in range(20)] + ["bad", "long"])
+    got = drain(pool, [f"q{i}" for i in range(20)] + ["bad", "long", "odd"])
     texts = {t: c[0].text for t, (c, err) in got.items() if c}
     assert {t: x.split("@")[0] for t, x in texts.items()} == {f"q{i}": f"q{i}" for i in range(20)}
     assert {x.split("@")[1] for x in texts.values()} == {"a", "b"}  # both servers took work
     assert isinstance(got["bad"][1], oc.Transient) and isinstance(got["long"][1], oc.Rejected)
-    long_tries = [p for p, body in a.seen + b.seen if body.get("messages", [{}])[-1].get("content") == "long"]
-    assert len(long_tries) == 1
+    assert isinstance(got["odd"][1], oc.Rejected) and got["odd"][1].status == 500
+    tries = Counter(body["messages"][-1]["content"] for p, body in a.seen + b.seen)
+    assert tries["long"] == tries["odd"] == 1 and tries["bad"] >= 2
 
 
 def test_pool_moves_work_off_a_dead_server_and_stops_when_all_are(stubs, capsys):
@@ -332,3 +403,75 @@ def test_regenerate_stops_when_its_server_goes_away_and_a_rerun_finishes(stubs, 
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 12 and {r["id"] for r in rows} == {f"p{i}" for i in range(12)}
     assert rows[4]["messages"][-1]["content"] == "q4@s"
+
+
+def test_regenerate_refuses_to_resume_rows_of_another_model_or_settings(stubs, tmp_path, capsys):
+    """OUTPUT.stats.json records what made the rows: a resume with another served model, another answer cap or
+    another temperature is refused naming the setting, the output left as it is; the same settings go on. An
+    output from before the settings were recorded is resumed with a note, and its settings recorded."""
+    from data import regenerate as regen
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+
+    def write_prompts(n):
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]})
+                                   + "\n" for i in range(n)))
+    s = stubs()
+
+    def run(*extra):
+        return regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", s.url,
+                           "--max-new-tokens", "16", *extra])
+    write_prompts(2)
+    run()
+    assert json.loads(regen.resume.stats_path(out).read_text())["config"]["served_model"] == "tgt"
+    write_prompts(3)
+    rows = out.read_bytes()
+    for extra, said in ((["--max-new-tokens", "32"], "max_new_tokens: was 16, now 32"),
+                        (["--temperature", "0.7"], "temperature: was 0.0, now 0.7")):
+        with pytest.raises(SystemExit, match=f"cannot resume .*{said}.*a new output"):
+            run(*extra)
+    s.models = [{"id": "other"}]
+    with pytest.raises(SystemExit, match="served_model: was 'tgt', now 'other'.*written by another model"):
+        run()
+    assert out.read_bytes() == rows
+    s.models = [{"id": "tgt"}]
+    assert run()["todo"] == 1
+    regen.resume.stats_path(out).unlink()   # as data.regenerate wrote outputs before it recorded settings
+    write_prompts(4)
+    assert run()["todo"] == 1 and "taken as made by this run's model" in capsys.readouterr().err
+    assert json.loads(regen.resume.stats_path(out).read_text())["config"]["max_new_tokens"] == 16
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_regenerate_stopped_by_ctrl_c_or_sigterm_says_how_to_go_on(stubs, tmp_path, sig):
+    """A real process stopped part-way by Ctrl-C (SIGINT) or SIGTERM ends with exit status 1 and no traceback,
+    naming the rows it kept and the command that goes on; that command writes the rest, every id once."""
+    import signal
+    import subprocess
+    import sys
+    from data import regenerate as regen
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                               for i in range(8)))
+    s, proc = stubs(), []
+
+    def answer(prompt, body):
+        if prompt == "q3":
+            proc[0].send_signal(getattr(signal, sig))
+        return f"a:{prompt}"
+    s.answer = answer
+    cmd = [sys.executable, "-m", "data.regenerate", "--input", str(prompts), "--output", str(out), "--endpoint",
+           s.url, "--concurrency", "1"]
+    proc.append(subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True))
+    err = proc[0].communicate(timeout=120)[1]
+    assert proc[0].returncode == 1 and "Traceback" not in err, err
+    kept = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert 3 <= len(kept) < 8 and not Path(f"{out}.errors.jsonl").read_text()
+    by = "Ctrl-C" if sig == "SIGINT" else "SIGTERM"
+    assert f"stopped by {by}: {len(kept)} rows written to {out} by this run stay" in err
+    again = err.split("Run the same command again to go on:\n", 1)[1].strip()
+    assert again.endswith(" -m data.regenerate " + " ".join(cmd[3:]))
+    s.answer = None
+    assert regen.main(cmd[3:])["done_before"] == len(kept)
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [f"p{i}" for i in range(8)]
+

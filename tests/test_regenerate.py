@@ -131,6 +131,17 @@ def test_an_output_that_is_not_regenerate_output_is_refused(tmp_path):
         assert e.value.code == 2 and inp.read_bytes() == before
 
 
+def test_a_one_line_text_file_as_output_is_refused_not_cut(tmp_path):
+    """A file whose only line is not JSON (no final newline) is someone's file, not a torn row: refused, byte for
+    byte as it was, the message naming the file and the fix."""
+    inp = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [user("alpha")]}])
+    out = tmp_path / "notes.txt"
+    out.write_text("remember to buy milk")
+    with pytest.raises(SystemExit, match=r"notes.txt is not an output of regenerate.*give another output path"):
+        regen.main(["--input", str(inp), "--output", str(out), "--endpoint", "http://127.0.0.1:9"])
+    assert out.read_text() == "remember to buy milk"
+
+
 @pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--retries", "0"), ("--batch-size", "-4"),
                                         ("--concurrency", "0")])
 def test_bad_counts_are_refused(tmp_path, capsys, flag, value):
@@ -170,8 +181,9 @@ def answer(text: str) -> str:
 class FakeServer:
     """/v1/models listing one model, "tgt"; /v1/chat/completions answering `answer(last user content)`. Requests are
     counted per conversation (its first user turn), the probe's apart (`probes`); `fail_once` prompts get one HTTP
-    500 first, `fail_always` prompts only 500s; "long" prompts end with finish_reason "length"; `reasoning` maps a
-    last user content to (field, text) sent beside the answer, as a server with a reasoning parser does."""
+    503 first, `fail_always` prompts only 503s (transient errors); "long" prompts end with finish_reason "length";
+    `reasoning` maps a last user content to (field, text) sent beside the answer, as a server with a reasoning
+    parser does."""
 
     def __init__(self):
         self.requests, self.bodies, self.probes = Counter(), [], []
@@ -196,7 +208,7 @@ class FakeServer:
                     fail = users[0] in server.fail_always or (users[0] in server.fail_once
                                                               and server.requests[users[0]] == 1)
                 if self.path != "/v1/chat/completions" or fail:
-                    self.send_error(500 if fail else 404)
+                    self.send_error(503 if fail else 404)
                     return
                 message = {"role": "assistant", "content": " " + answer(users[-1]) + "\n"}
                 if users[-1] in server.reasoning:
@@ -235,8 +247,8 @@ PROMPTS = [
     {"id": "a", "category": "x", "messages": [user("alpha")]},
     {"id": "b", "messages": CHAT},                                             # multi-turn with a system prompt
     {"id": "c", "conversations": [{"from": "human", "value": "gamma"}, {"from": "gpt", "value": "old"}]},
-    {"id": "flaky", "messages": [user("flaky")]},                              # 500 on its first request
-    {"id": "broken", "messages": [user("broken")]},                            # always 500
+    {"id": "flaky", "messages": [user("flaky")]},                              # 503 on its first request
+    {"id": "broken", "messages": [user("broken")]},                            # always 503
     {"id": "long", "messages": [user("long")]},                                # finish_reason "length"
     NOID,                                                                      # id from the content hash
     b'{"id": "bad", "messages": [',                                            # unreadable: skipped, counted
@@ -297,6 +309,40 @@ def test_http_resume_retry_errors_torn_line(tmp_path, server):
     with pytest.raises(SystemExit, match="regen.jsonl:1 "):
         run(inp, out, server)
     assert out.read_bytes() == b'{"id": "x", "mess\n' + good
+
+
+def test_a_torn_first_row_of_its_own_run_is_cut(tmp_path, server):
+    """A run killed while writing its very first row leaves one torn line: the errors file beside it says the output
+    is regenerate's, so the line is cut and the row redone."""
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2]), tmp_path / "regen.jsonl"
+    run(inp, out, server)
+    first = out.read_bytes().splitlines()[0]
+    out.write_bytes(first[: len(first) // 2])
+    counts = run(inp, out, server)
+    assert counts["done_before"] == 0 and counts["todo"] == 2 and set(by_id(out)) == {"a", "b"}
+
+
+def test_two_paths_to_one_output_share_its_lock_and_duplicate_ids_are_refused(tmp_path, server):
+    """A run that reaches a held --output through a symbolic link is refused (the lock is the file's, not the
+    path's), and so are settings that differ from those of a run by another path; an output that holds an id twice
+    (two runs wrote at once) is refused on resume, left as it is."""
+    from data import resume
+    inp, out = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2]), tmp_path / "regen.jsonl"
+    (tmp_path / "link.jsonl").symlink_to(out)
+    with resume.locked(out, "regenerate"):
+        with pytest.raises(SystemExit, match="is being written by another run"):
+            run(inp, tmp_path / "link.jsonl", server)
+    assert not out.exists()
+    run(inp, tmp_path / "link.jsonl", server)
+    write_jsonl(inp, PROMPTS[:3])
+    with pytest.raises(SystemExit, match="max_new_tokens: was 512, now 16"):   # its settings are the file's too
+        run(inp, out, server, "--max-new-tokens", "16")
+    write_jsonl(inp, PROMPTS[:2])
+    rows = out.read_bytes()
+    out.write_bytes(rows + rows.splitlines(keepends=True)[0])
+    with pytest.raises(SystemExit, match=r"holds 1 id\(s\) more than once \(e.g. 'a'\).*keep the first row"):
+        run(inp, out, server)
+    assert out.read_bytes() == rows + rows.splitlines(keepends=True)[0]
 
 
 def test_complete_last_row_without_newline_is_kept(tmp_path, server):

@@ -527,6 +527,50 @@ def test_an_out_of_other_json_is_refused_and_left_as_it_is(tmp_path, qwen3_dir, 
         assert out.read_bytes() == before and not syn.stats_path(out).exists()
 
 
+def test_a_one_line_text_file_as_out_is_refused_and_a_torn_first_row_is_cut(tmp_path, qwen3_dir, scripted):
+    """A file whose only line is not JSON is someone's file: refused, left as it is. The same torn line where the
+    stats file says synthesize wrote it (killed during its first row) is cut and the rows made again."""
+    out = tmp_path / "notes.txt"
+    out.write_text("remember to buy milk")
+    with pytest.raises(SystemExit, match=r"notes.txt is not an output of synthesize.*give another output path"):
+        synth(qwen3_dir, out, 4)
+    assert out.read_text() == "remember to buy milk" and not syn.stats_path(out).exists()
+    out = tmp_path / "s.jsonl"
+    synth(qwen3_dir, out, 4)
+    rows = out.read_bytes()
+    out.write_bytes(rows[: len(rows.splitlines()[0]) // 2])
+    syn.rejected_path(out).write_text("")
+    assert synth(qwen3_dir, out, 4)["kept"] == 4 and out.read_bytes() == rows
+
+
+def test_synthesize_and_regenerate_refuse_each_others_outputs(tmp_path, qwen3_dir, scripted):
+    """Each tool recognises the other's output by the files beside it (synthesize's stats and rejected files,
+    regenerate's stats and errors files) and refuses it before any request, leaving it as it is: appended rows
+    of the other kind would leave a file its maker can no longer resume."""
+    from data import regenerate as regen
+    out = tmp_path / "s.jsonl"
+    synth(qwen3_dir, out, 4)
+    before = out.read_bytes()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "messages": [user("q")]}) + "\n")
+    with pytest.raises(SystemExit, match=r"s.jsonl is an output of data.synthesize .*give another output path"):
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", "http://127.0.0.1:9"])
+    assert out.read_bytes() == before
+    syn.stats_path(out).unlink()   # the rejected file alone says it too
+    with pytest.raises(SystemExit, match=r"is an output of data.synthesize \(.*rejected.jsonl says so\)"):
+        regen.main(["--input", str(prompts), "--output", str(out), "--endpoint", "http://127.0.0.1:9"])
+    regen_out = tmp_path / "r.jsonl"
+    regen_out.write_text(json.dumps({"id": "self/0", "messages": [user("q"), assistant("a")],
+                                     "finish_reasons": ["stop"]}) + "\n")
+    Path(f"{regen_out}.errors.jsonl").write_text("")
+    for stats in (None, {"tool": "regenerate", "config": {}}):
+        if stats:
+            syn.stats_path(regen_out).write_text(json.dumps(stats))
+        with pytest.raises(SystemExit, match=r"r.jsonl is an output of data.regenerate"):
+            synth(qwen3_dir, regen_out, 4)
+    assert len(read_jsonl(regen_out)) == 1 and not syn.rejected_path(regen_out).exists()
+
+
 def test_a_second_run_on_one_out_is_refused_naming_the_holder(tmp_path, qwen3_dir, scripted, monkeypatch, capsys):
     """Two runs on one --out at once would write every row twice: the second is refused with the first's pid, host
     and start time, and changes nothing; the first ends with --num distinct rows. A lock file naming a run that is
@@ -556,6 +600,21 @@ def test_a_second_run_on_one_out_is_refused_naming_the_holder(tmp_path, qwen3_di
     synth(qwen3_dir, dead, 5)
     assert "names a run that is gone (synthesize pid 4000000" in capsys.readouterr().err
     assert len(by_id(dead)) == 5
+
+
+def test_a_run_by_a_symbolic_link_to_a_held_out_is_refused(tmp_path, qwen3_dir, scripted):
+    """The lock is the file's, not the path's: a second run that reaches a held --out through a symbolic link is
+    refused and changes nothing; a later run by the link resumes the file's rows, with its stats file."""
+    out, link = tmp_path / "s.jsonl", tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    synth(qwen3_dir, out, 4)
+    before = out.read_bytes()
+    with syn.resume.locked(out, "synthesize"):
+        with pytest.raises(SystemExit, match="is being written by another run"):
+            synth(qwen3_dir, link, 8)
+    assert out.read_bytes() == before
+    assert synth(qwen3_dir, link, 8)["kept"] == 8 and out.read_bytes().startswith(before)
+    assert not Path(f"{link}.stats.json").exists() and len(by_id(out)) == 8
 
 
 @pytest.fixture
