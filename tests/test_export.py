@@ -241,6 +241,28 @@ def test_spec_generate_sampling_is_seeded_and_checks_its_input(build_drafter, ti
                             stop_token_ids=None)
 
 
+def test_spec_generate_refuses_bad_arguments_and_a_target_without_the_mask_id(build_drafter, tiny_qwen3_dir,
+                                                                              tmp_path):
+    """max_new_tokens=0 gives back the prompt; a negative, NaN or infinite temperature and a target whose vocabulary
+    lacks the drafter's mask id are ValueErrors that say so, not greedy decoding or an index error."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    draft = AutoModel.from_pretrained(export_drafter(build_drafter(tiny_qwen3_dir), tmp_path / "d"),
+                                      trust_remote_code=True, dtype="auto", local_files_only=True).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 71]])
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=0), ids)
+    stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=0, return_stats=True)
+    assert torch.equal(stats.output_ids, ids) and stats.num_output_tokens == 0 and stats.acceptance_lengths == []
+    for bad in (-1, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, temperature=bad)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=-1)
+    target.resize_token_embeddings(draft.mask_token_id)   # a target with fewer rows: the mask id is past its end
+    with pytest.raises(ValueError, match=f"mask token id {draft.mask_token_id} is outside the target's vocabulary"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)
+
+
 # ---------------------------------------------------------------------------
 # The model card every export carries
 
