@@ -277,7 +277,7 @@ def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path)
                            data={"rows": 5000, "content_hash": "cafe"}, evaluation=ev) / "README.md").read_text()
     assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")          # the Hub's model-card metadata
     cfg = d.config
-    for want in ["# DFlash drafter for Qwen/Qwen3-8B", "c" * 64, "w" * 64, "| block size | 8 ",
+    for want in ["# DFlash drafter for Qwen/Qwen3-8B", "w" * 64, "| block size | 8 ",
                  f"| tapped target layers | {cfg.target_layer_ids} of 6", f"| mask token id | {cfg.mask_token_id} |",
                  "| draft layers | 2 |", "| training steps | 1200 |", "| data rows | 5000 |",
                  "**3.25** on 80 prompts, lossless",
@@ -291,6 +291,30 @@ def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path)
     # a local target folder is named as given, with no Hub metadata
     local = (export_drafter(d, tmp_path / "local", target="/models/my-target") / "README.md").read_text()
     assert "base_model" not in local and "--model-path /models/my-target" in local
+
+
+def test_model_card_hashes_and_target_can_be_checked(build_drafter, tiny_qwen3_dir, tmp_path, monkeypatch):
+    """The card's hashes are what `sha256sum config.json` prints (the export's and the target's) and stats.json's
+    content_hash; a target given as a relative folder is served by its absolute path, a Hub id as it is."""
+    import hashlib
+    import shutil
+    shutil.copytree(tiny_qwen3_dir, tmp_path / "models" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
+    fp = {"path": str(tmp_path / "models" / "tiny"), "config_sha256": "c" * 64, "weights_sha256": "w" * 64}
+    out = export_drafter(d, tmp_path / "drafter", target="models/tiny", target_fingerprint=fp,
+                         data={"rows": 8, "content_hash": "ab" * 32})
+    card = (out / "README.md").read_text()
+    sha = lambda f: hashlib.sha256(f.read_bytes()).hexdigest()   # noqa: E731  as sha256sum prints it
+    assert f"| config.json sha256 | `{sha(out / 'config.json')}`" in card
+    assert f"| target config.json sha256 | `{sha(tmp_path / 'models' / 'tiny' / 'config.json')}`" in card
+    assert "c" * 64 not in card, "the normalised config hash matches no file: not on the card"
+    assert f"| data content_hash | `{'ab' * 32}` (`content_hash` in DATA/stats.json" in card
+    absolute = str(tmp_path / "models" / "tiny")
+    assert f"--model-path {absolute} " in card and f"vllm serve {absolute} " in card
+    assert f'AutoTokenizer.from_pretrained("{absolute}")' in card and '"models/tiny"' not in card
+    hub = (export_drafter(d, tmp_path / "hub", target="Qwen/Qwen3-8B") / "README.md").read_text()
+    assert "--model-path Qwen/Qwen3-8B " in hub and hub.startswith("---\nbase_model: Qwen/Qwen3-8B\n")
 
 
 def test_model_card_quick_start_runs(build_drafter, tmp_path):
