@@ -69,7 +69,7 @@ demo_applies() {   # demo_applies NGPU ARGS...: the CPU demo's settings go first
 for arg in "$@"; do
     [[ $arg == -h || $arg == --help ]] || continue
     echo "usage: [ENV=VALUE ...] bash launch.sh [--NAME=VALUE ...]   (train_dflash.py's settings, listed below)"
-    sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d' | sed -E 's/^# ?//'
+    sed -n '2,/^set -euo pipefail/p' "$(basename "$0")" | sed '$d' | sed -E 's/^# ?//'   # cd'd beside it above
     ngpu=$(gpu_count)
     if demo_applies "$ngpu" "$@"; then
         echo
