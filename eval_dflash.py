@@ -120,24 +120,31 @@ def load_prompts(path, limit=None, categories=None) -> list[dict]:
     seen = Counter(r["id"] for r in rows)
     if dup := sorted(str(i) for i, c in seen.items() if c > 1):
         raise ValueError(f"{path}: ids must be unique (results are paired by id); repeated: {', '.join(dup[:10])}")
-    if categories:
+    if categories is not None:
         rows = select_categories(rows, categories, path)
     return spread(rows, limit) if limit else rows
 
 
 def select_categories(rows, spec: str, where="prompts") -> list[dict]:
     """The rows of the categories `spec` names: a comma list, "a,b" keeps only those, "-a,-b" keeps all but those
-    (a row without `category` is "all"); ValueError naming the file's categories for a name it does not have."""
+    (a row without `category` is "all"); ValueError naming the file's categories for a spec that names none, a name
+    the file does not have, or one that leaves no row."""
     names = [c.strip() for c in spec.split(",") if c.strip()]
     drop = {c[1:] for c in names if c.startswith("-")}
     keep = {c for c in names if not c.startswith("-")}
+    have = list(dict.fromkeys(r.get("category", "all") for r in rows))
+    if not names or "" in drop:
+        raise ValueError(f"--categories {spec!r} names no category: give names to keep (a,b) or to leave out (-a,-b); "
+                         f"{where} has {', '.join(have) or 'no rows'}")
     if keep and drop:
         raise ValueError(f"--categories {spec!r}: either names to keep or names to leave out (-name), not both")
-    have = list(dict.fromkeys(r.get("category", "all") for r in rows))
     if unknown := sorted((keep | drop) - set(have)):
         raise ValueError(f"--categories: {where} has no category {', '.join(map(repr, unknown))}; it has "
                          f"{', '.join(have)}")
-    return [r for r in rows if (r.get("category", "all") in keep if keep else r.get("category", "all") not in drop)]
+    kept = [r for r in rows if (r.get("category", "all") in keep if keep else r.get("category", "all") not in drop)]
+    if rows and not kept:
+        raise ValueError(f"--categories {spec!r} leaves no prompt of {where}: it has {', '.join(have)}")
+    return kept
 
 
 def refused_by_template(tokenizer, rows, enable_thinking=None) -> list[tuple[dict, str]]:

@@ -14,10 +14,11 @@
 #   torchrun --nnodes=N --nproc-per-node=G --node-rank=I --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \
 #       --rdzv-id=dflash train_dflash.py --OUT_DIR=/shared/run ...       (OUT_DIR on a shared filesystem)
 #
-# The flags are checked (train_dflash.py's configure and check_config) before anything starts:
+# The flags are checked (train_dflash.py's configure and check_config: the job's whole start-up check, tracker
+# packages and FP8 included) before anything starts:
 # a bad one stops here with its error and no tmux session. A session whose job has ended is replaced by the next
 # launch; one whose job still runs is left alone (pick another SESSION for a second run).
-# Demo settings: on a machine without GPUs and without --TARGET or --DATA, the CPU demo's settings (DEMO below)
+# Demo settings: on a machine without GPUs and without --TARGET or --DATA, the CPU demo's settings (DEMO_FLAGS below)
 # come first and your flags after them, so a flag overrides just that setting (`bash launch.sh --MAX_STEPS=50` is
 # a shorter demo). With --TARGET or --DATA, or CPU_DEMO=0, no demo settings: the train_dflash.py defaults apply.
 #
@@ -28,6 +29,7 @@
 #   SETUP_ONLY [0: 1 = create the venv, the SmolLM2 folder and exit]  CPU_DEMO [1: see above; 0 = off]
 #   DRY [0: 1 = check the flags, print the command and exit without starting it]
 #   FP8 [0: 1 = also install requirements-fp8.txt (torchao) for TARGET_FP8 / DRAFTER_FP8]
+# Help:      bash launch.sh --help     (this text, the demo settings this machine would get, train_dflash.py's --help)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -48,6 +50,46 @@ for arg in "$@"; do   # train_dflash.py takes the last --OUT_DIR=; the log must 
 done
 [ -n "$OUT_DIR" ] || { echo "launch: OUT_DIR is empty: name the run's folder, e.g. --OUT_DIR=runs/mine" >&2; exit 2; }
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+# the CPU demo: small blocks and few anchors so a 2-core machine trains SmolLM2's drafter in ~15 minutes
+# (taps 1 and 13 of 30: the target forward, the slowest part on a CPU, stops at layer 13)
+DEMO_FLAGS=(--TOKEN_BUDGET=2048 --MAX_BATCH_SIZE=16 --MAX_ANCHORS=128 --BLOCK_SIZE=8 --NUM_DRAFT_LAYERS=2
+            --TARGET_LAYER_IDS=1,13 --LR=1e-3 --MAX_STEPS=400 --SAVE_EVERY=100 --LOG_EVERY=10)
+gpu_count() {   # NGPU, else the GPUs torch sees (the venv's), else nvidia-smi's; 0 without any
+    if [ -n "${NGPU:-}" ]; then echo "$NGPU"
+    elif [ -x "$VENV/bin/python" ]; then "$VENV/bin/python" -c "import torch; print(torch.cuda.device_count())"
+    elif command -v nvidia-smi >/dev/null; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+    else echo 0; fi
+}
+demo_applies() {   # demo_applies NGPU ARGS...: the CPU demo's settings go first (see "Demo settings" above)
+    local ngpu=$1; shift
+    [ "$ngpu" -eq 0 ] && [ "$CPU_DEMO" = 1 ] && ! has_flag TARGET "$@" && ! has_flag DATA "$@"
+}
+
+# --- --help: this script's usage and the trainer's settings, before anything is created ----------------------------
+for arg in "$@"; do
+    [[ $arg == -h || $arg == --help ]] || continue
+    echo "usage: [ENV=VALUE ...] bash launch.sh [--NAME=VALUE ...]   (train_dflash.py's settings, listed below)"
+    sed -n '2,/^set -euo pipefail/p' "$(basename "$0")" | sed '$d' | sed -E 's/^# ?//'   # cd'd beside it above
+    ngpu=$(gpu_count)
+    if demo_applies "$ngpu" "$@"; then
+        echo
+        echo "On this machine (no GPU, no --TARGET or --DATA) launch.sh would apply the CPU demo settings first, over the"
+        echo "defaults below (a flag given overrides one; CPU_DEMO=0: none):"
+        echo "  ${DEMO_FLAGS[*]}"
+    else
+        echo
+        echo "On this machine launch.sh applies no demo settings ($ngpu GPU(s), CPU_DEMO=$CPU_DEMO, flags: ${*:-none}):" \
+             "the defaults below hold."
+    fi
+    echo
+    if [ -x "$VENV/bin/python" ]; then
+        "$VENV/bin/python" train_dflash.py --help
+    else
+        echo "train_dflash.py's settings (its --help) need the venv $VENV, which does not exist yet: SETUP_ONLY=1 bash" \
+             "launch.sh creates it; meanwhile they are the constants at the top of train_dflash.py."
+    fi
+    exit 0
+done
 
 # --- set up what a fresh machine lacks: a venv with the requirements, the SmolLM2 target -----------------------
 if [ ! -x "$VENV/bin/python" ]; then
@@ -75,19 +117,16 @@ fi
 [ "$SETUP_ONLY" = 1 ] && { echo "launch: setup done"; exit 0; }
 
 # --- how many processes --------------------------------------------------------------------------------------------
-NGPU=${NGPU:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}
+NGPU=$(gpu_count)
 DEMO=()
 if [ "$NGPU" -gt 0 ]; then
     NPROC=${NPROC:-$NGPU}
 else
     NPROC=${NPROC:-2}
-    if [ "$CPU_DEMO" = 1 ] && ! has_flag TARGET "$@" && ! has_flag DATA "$@"; then
-        # the CPU demo: small blocks and few anchors so a 2-core machine trains SmolLM2's drafter in ~15 minutes
-        # (taps 1 and 13 of 30: the target forward, the slowest part on a CPU, stops at layer 13)
-        DEMO=(--TOKEN_BUDGET=2048 --MAX_BATCH_SIZE=16 --MAX_ANCHORS=128 --BLOCK_SIZE=8 --NUM_DRAFT_LAYERS=2
-              --TARGET_LAYER_IDS=1,13 --LR=1e-3 --MAX_STEPS=400 --SAVE_EVERY=100 --LOG_EVERY=10)
-        echo "launch: CPU demo settings ${DEMO[*]}; flags given override them (CPU_DEMO=0: none)"
-    fi
+fi
+if demo_applies "$NGPU" "$@"; then
+    DEMO=("${DEMO_FLAGS[@]}")
+    echo "launch: CPU demo settings ${DEMO[*]}; flags given override them (CPU_DEMO=0: none)"
 fi
 FLAGS=("--OUT_DIR=$OUT_DIR" "${DEMO[@]}" "$@")
 

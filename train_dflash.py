@@ -151,9 +151,25 @@ def configure(argv) -> tuple[dict, set[str]]:
     return config, given
 
 
-def check_config(world: int) -> None:
-    """settings.check_config on the constants as they are now (Dist runs it on every rank)."""
+def run_device(local_rank: int = 0) -> torch.device:
+    """The device of the rank with this local rank: DEVICE, where auto is CUDA when torch sees a GPU."""
+    use_cuda = DEVICE == "cuda" or (DEVICE == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+def check_config(world: int, device: torch.device | None = None) -> None:
+    """The whole start-up check, before any model loads: Dist runs it on every rank, launch.sh before it starts a
+    job. settings.check_config on the constants as they are now, then what needs this machine: CUDA for
+    DEVICE=cuda, FP8 on the run's device (default: local rank 0's) and the trackers' optional packages."""
     settings.check_config(constants(), world)
+    device = run_device() if device is None else device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: DEVICE=cuda but torch sees no CUDA device (a CPU build of torch, or no GPU visible): set "
+                 "--DEVICE=auto or --DEVICE=cpu")
+    errs = [e for name in ("TARGET_FP8", "DRAFTER_FP8", "HEAD_FP8") if globals()[name] and
+            (e := fp8.check(name, device))] + check_trackers(TENSORBOARD, WANDB_PROJECT)
+    if errs:
+        sys.exit("error: " + "; ".join(errs))
 
 
 def eval_inputs(tok, stats: dict) -> dict:
@@ -197,7 +213,8 @@ class Dist:
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        check_config(self.world)
+        self.device = run_device(self.local_rank)
+        check_config(self.world, self.device)   # every rank checks, so the whole job stops before any model loads
         self.colocated = self.world == 1
         self.n_targets = 1 if self.colocated else TARGET_RANKS
         self.n_drafters = 1 if self.colocated else self.world - TARGET_RANKS
@@ -212,12 +229,10 @@ class Dist:
         self.replica_ranks = range(first, first + self.shards) if self.is_target else range(0)
         self.roles = ["target" if r < self.n_targets else "drafter" for r in range(self.world)]
         self.role = "target+drafter" if self.colocated else self.roles[self.rank]
-        use_cuda = DEVICE == "cuda" or (DEVICE == "auto" and torch.cuda.is_available())
+        use_cuda = self.device.type == "cuda"
         if use_cuda:
             torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
         else:
-            self.device = torch.device("cpu")
             local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))   # ranks share the CPU
         self.dtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "bfloat16": torch.bfloat16,
@@ -519,10 +534,6 @@ def main(argv):
     step_cfg = StepConfig.of(config)
     d = Dist()
     log(f"[rank {d.rank} {d.role}] {d}")
-    errs = [e for name in ("TARGET_FP8", "DRAFTER_FP8", "HEAD_FP8") if globals()[name] and
-            (e := fp8.check(name, d.device))] + check_trackers(TENSORBOARD, WANDB_PROJECT)
-    if errs:   # every rank checks, so the whole job stops here, before any model loads
-        sys.exit("error: " + "; ".join(errs))
     out_dir, watchdog = Path(OUT_DIR), None
     ck_root = out_dir / "checkpoints"
     if not d.colocated:
@@ -751,8 +762,9 @@ def save_checkpoint(run):
     # every EVAL_EVERY-th checkpoint is evaluated before it is written, so its export's model card carries its tau
     ev = evaluate(run, run.drafter if not sharded else ckpt.whole_drafter(run.dcfg, full, d.device)) \
         if EVAL_EVERY and (run.saves + 1) % EVAL_EVERY == 0 else None
-    card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, data=run.data.fingerprint(),
-                evaluation=ev)
+    # the card's data hash is stats.json's, which a user can compare (Data.content_hash is the loader's own)
+    card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, evaluation=ev,
+                data={"rows": run.data.num_rows, "content_hash": read_stats(DATA).get("content_hash")})
     state = ckpt.train_state(run.drafter, run.opt, run.step, g, sharded=sharded)
     meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.config, run.data,
                            run.dcfg, run.fingerprint)

@@ -3,6 +3,7 @@ keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (do
 modeling code for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`:
 modeling_dflash.py with this project's drafter.py and attention.py beside it (REMOTE_CODE); and a README.md model card
 with what the drafter was trained for and the commands that serve it (model_card)."""
+import hashlib
 import json
 import os
 import re
@@ -74,12 +75,13 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, 
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with open(tmp / "config.json", "w") as f:
-        json.dump(serving_config(drafter.config, dtype), f, indent=2)
+    config_json = json.dumps(serving_config(drafter.config, dtype), indent=2)
+    (tmp / "config.json").write_text(config_json)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for name in REMOTE_CODE:
         shutil.copyfile(MODEL_DIR / name, tmp / name)
-    card = model_card(drafter.config, dtype, target, target_fingerprint, step, data, evaluation)
+    card = model_card(drafter.config, dtype, target, target_fingerprint, step, data, evaluation,
+                      config_sha256=hashlib.sha256(config_json.encode()).hexdigest())
     (tmp / "README.md").write_text(card)
     # os.replace cannot overwrite a non-empty folder: move the old one aside first, drop it after the swap
     old = out.with_name(f"{out.name}.old{os.getpid()}")
@@ -97,12 +99,23 @@ HUB_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")   # a
 
 
 def target_name(target) -> str | None:
-    """The name to serve the target by: a Hugging Face cache snapshot folder as its Hub id (org/name), anything else
-    as given."""
+    """The name to serve the target by, valid from any folder: a Hugging Face cache snapshot folder as its Hub id
+    (org/name), a Hub id that is no local folder as it is, a folder as its absolute path."""
     if target is None:
         return None
     m = HUB_SNAPSHOT.search(str(target))
-    return f"{m[1]}/{m[2]}" if m else str(target)
+    if m:
+        return f"{m[1]}/{m[2]}"
+    path = Path(target).expanduser()
+    if not path.exists() and HUB_ID.fullmatch(str(target)):
+        return str(target)
+    return str(path.resolve())
+
+
+def file_sha256(path) -> str | None:
+    """sha256 of a file's bytes, as `sha256sum` prints it; None when there is no such file."""
+    path = Path(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def _fmt(x) -> str:
@@ -110,16 +123,25 @@ def _fmt(x) -> str:
 
 
 def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, step=None, data=None,
-               evaluation=None) -> str:
-    """README.md of an export: what the drafter reads and was trained on, tau if measured, how to serve it."""
+               evaluation=None, config_sha256=None) -> str:
+    """README.md of an export: what the drafter reads and was trained on, tau if measured, how to serve it. Every
+    hash it shows can be checked: config_sha256 is this export's config.json as `sha256sum` prints it, the target's
+    config.json likewise, and data's content_hash is the one data.prepare wrote to DATA/stats.json."""
     name = target_name(target)
-    tgt = name or "TARGET"                 # the serving commands' target: a Hub id or the folder given
+    tgt = name or "TARGET"                 # the serving commands' target: a Hub id or an absolute folder
     B = cfg.block_size
     n_sliding = cfg.layer_types.count("sliding_attention")
     rows = [("target", f"`{name}`" if name else "not recorded (pass target= to export_drafter)")]
-    for k in ("config_sha256", "weights_sha256"):
-        if target_fingerprint and target_fingerprint.get(k):
-            rows.append((f"target {k.replace('_', ' ')}", f"`{target_fingerprint[k]}`"))
+    fp = target_fingerprint or {}
+    folder = fp.get("path") or (target if target is not None and Path(target).expanduser().is_dir() else None)
+    if folder and (sha := file_sha256(Path(folder).expanduser() / "config.json")):
+        rows.append(("target config.json sha256", f"`{sha}` (`sha256sum config.json` in the target's folder)"))
+    if fp.get("weights_sha256"):
+        rows.append(("target weights fingerprint", f"`{fp['weights_sha256']}` (one sha256 over the weight files' "
+                                                   f"names, headers and first tensor bytes, not a file's hash: "
+                                                   f"checkpoint.target_fingerprint)"))
+    if config_sha256:
+        rows.append(("config.json sha256", f"`{config_sha256}` (`sha256sum config.json` in this folder)"))
     rows += [("block size", f"{B} (the anchor + {B - 1} drafted tokens per step)"),
              ("draft layers", f"{cfg.num_hidden_layers}" + (f" ({n_sliding} sliding, window {cfg.sliding_window})"
                                                              if n_sliding else "")),
@@ -130,7 +152,11 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
     if step is not None:
         rows.append(("training steps", str(step)))
     for k, v in (data or {}).items():
-        rows.append((f"data {k}", _fmt(v)))
+        if k == "content_hash":
+            rows.append(("data content_hash", f"`{v}` (`content_hash` in DATA/stats.json, written by data.prepare)"
+                         if v else "not recorded (DATA has no stats.json from data.prepare)"))
+        elif v is not None:
+            rows.append((f"data {k}", _fmt(v)))
     lines = []
     if name and HUB_ID.fullmatch(name):
         lines += ["---", f"base_model: {name}", "library_name: transformers",

@@ -9,6 +9,8 @@ z-lab's documented Transformers quick start, written here again (an export canno
     draft.spec_generate(input_ids=ids, target=target, max_new_tokens=256, stop_token_ids=[eos], temperature=0.0)
 """
 import inspect
+import math
+import numbers
 from types import SimpleNamespace
 
 import torch
@@ -57,9 +59,14 @@ class DFlashDraftModel(PreTrainedModel):
         own greedy output; > 0: each committed token is sampled from the target (a draft token is kept when it equals
         the target's sample at its slot). return_stats: a SimpleNamespace(output_ids, num_input_tokens,
         num_output_tokens, acceptance_lengths) as z-lab's dflash_generate returns, acceptance_lengths the tokens
-        committed per verify step (tau = their mean)."""
+        committed per verify step (tau = their mean). max_new_tokens=0 returns the prompt as it is."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate decodes one prompt: input_ids must be [1, P], got {list(input_ids.shape)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or \
+                not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
         tc = target.config.get_text_config()
         cfg = self.drafter.config
         if (tc.hidden_size, tc.num_hidden_layers) != (cfg.hidden_size, cfg.num_target_layers):
@@ -69,6 +76,13 @@ class DFlashDraftModel(PreTrainedModel):
         dev, P, B = input_ids.device, input_ids.shape[1], self.block_size
         stops = set(stop_token_ids or [])
         embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if not 0 <= self.mask_token_id < embed.num_embeddings:   # the draft block starts as mask embeddings
+            raise ValueError(f"this drafter's mask token id {self.mask_token_id} is outside the target's vocabulary "
+                             f"({embed.num_embeddings} embedding rows; the drafter was trained for "
+                             f"{cfg.vocab_size}): pass the target it was trained on")
+        if max_new_tokens == 0:
+            return SimpleNamespace(output_ids=input_ids, num_input_tokens=P, num_output_tokens=0,
+                                   acceptance_lengths=[]) if return_stats else input_ids
         dtype = next(self.parameters()).dtype
         cache, ctx = DynamicCache(), DrafterCache(self.drafter)
         cache_kw = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import settings
 import train_dflash as td
@@ -66,6 +67,28 @@ def test_unknown_drafter_fp8_recipe_is_refused_with_the_choices(cfg):
     cfg.set(DRAFTER_FP8_RECIPE="rowwise_fast")
     assert ("DRAFTER_FP8_RECIPE='rowwise_fast': allowed are rowwise_with_gw_hp, rowwise, tensorwise"
             in cfg.check())
+
+
+def test_the_start_up_check_covers_the_device_fp8_and_trackers(cfg, monkeypatch):
+    """check_config is the job's whole start-up check (launch.sh runs it too): DEVICE=cuda without CUDA, FP8 on a
+    CPU, a tracker whose package is missing."""
+    import builtins
+    real = builtins.__import__
+
+    def no_wandb(name, *a, **kw):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    cfg.set(WANDB_PROJECT="mine")
+    assert "WANDB_PROJECT=mine needs the wandb package" in cfg.check()
+    cfg.set(WANDB_PROJECT="", DEVICE="cpu", DRAFTER_FP8=True)
+    assert "DRAFTER_FP8 needs an SM89+ GPU" in cfg.check()
+    cfg.set(DRAFTER_FP8=False)
+    assert cfg.check() == ""
+    if not torch.cuda.is_available():
+        cfg.set(DEVICE="cuda")
+        assert "DEVICE=cuda but torch sees no CUDA device" in cfg.check()
 
 
 def test_out_dir_that_is_a_file_and_target_without_weights(cfg, tiny_llama_dir, tmp_path):

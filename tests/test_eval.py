@@ -463,6 +463,11 @@ def test_categories_keep_or_leave_out(tmp_path):
         ids(categories="a,d")
     with pytest.raises(ValueError, match="not both"):
         ids(categories="a,-b")
+    for empty in (",", "", " , ", "-"):   # an empty filter is a mistake, not "every prompt"
+        with pytest.raises(ValueError, match=f"--categories {empty!r} names no category.*has a, b, c, all"):
+            ids(categories=empty)
+    with pytest.raises(ValueError, match=r"--categories '-a,-b,-c,-all' leaves no prompt of .*p.jsonl: it has a, b, c"):
+        ids(categories="-a,-b,-c,-all")
 
 
 def test_prompts_the_template_refuses_fail_before_the_target_loads(tmp_path, monkeypatch, build_drafter,
@@ -619,6 +624,19 @@ def test_tau_diff_refuses_bad_input_by_name(tmp_path):
         (_write(tmp_path / "strtau.json", {"per_prompt": [{"id": "a", "tau": "2"}]}), "has tau '2', not a number"),
         (str(tmp_path / "missing.json"), "cannot read"),
     ]
+    # values json reads but no tau or id can be: NaN, Infinity, true; a null category; an id that is a list
+    not_a_tau = r"\) has tau {}, not a number: a tau is finite"
+    for name, row, message in [
+            ("nan", '{"id": "a", "tau": NaN}', r"nan.json \(nan\): per_prompt\[1\] \(id 'a'" + not_a_tau.format("nan")),
+            ("inf", '{"id": "a", "tau": -Infinity}', r"per_prompt\[1\] \(id 'a'" + not_a_tau.format("-inf")),
+            ("bool", '{"id": "a", "tau": true}', r"per_prompt\[1\] \(id 'a'" + not_a_tau.format("True")),
+            ("nullcat", '{"id": "a", "tau": 2.0, "category": null}', r"per_prompt\[1\] \(id 'a'\) has category None"),
+            ("listid", '{"id": ["a"], "tau": 2.0}', r"per_prompt\[1\] has id \['a'\]: a prompt id is a string"),
+            ("boolid", '{"id": true, "tau": 2.0}', r"per_prompt\[1\] has id True"),
+    ]:
+        rows = f'[{{"id": "b", "tau": 1.0}}, {row}]'
+        (tmp_path / f"{name}.json").write_text(f'{{"drafter": "{name}", "per_prompt": {rows}}}')
+        cases.append((str(tmp_path / f"{name}.json"), message))
     (tmp_path / "notjson.json").write_text("{not json")
     for path, message in cases:
         with pytest.raises(SystemExit, match=message):

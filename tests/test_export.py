@@ -241,6 +241,28 @@ def test_spec_generate_sampling_is_seeded_and_checks_its_input(build_drafter, ti
                             stop_token_ids=None)
 
 
+def test_spec_generate_refuses_bad_arguments_and_a_target_without_the_mask_id(build_drafter, tiny_qwen3_dir,
+                                                                              tmp_path):
+    """max_new_tokens=0 gives back the prompt; a negative, NaN or infinite temperature and a target whose vocabulary
+    lacks the drafter's mask id are ValueErrors that say so, not greedy decoding or an index error."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    draft = AutoModel.from_pretrained(export_drafter(build_drafter(tiny_qwen3_dir), tmp_path / "d"),
+                                      trust_remote_code=True, dtype="auto", local_files_only=True).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 71]])
+    assert torch.equal(draft.spec_generate(target=target, input_ids=ids, max_new_tokens=0), ids)
+    stats = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=0, return_stats=True)
+    assert torch.equal(stats.output_ids, ids) and stats.num_output_tokens == 0 and stats.acceptance_lengths == []
+    for bad in (-1, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4, temperature=bad)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=-1)
+    target.resize_token_embeddings(draft.mask_token_id)   # a target with fewer rows: the mask id is past its end
+    with pytest.raises(ValueError, match=f"mask token id {draft.mask_token_id} is outside the target's vocabulary"):
+        draft.spec_generate(target=target, input_ids=ids, max_new_tokens=4)
+
+
 # ---------------------------------------------------------------------------
 # The model card every export carries
 
@@ -255,7 +277,7 @@ def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path)
                            data={"rows": 5000, "content_hash": "cafe"}, evaluation=ev) / "README.md").read_text()
     assert card.startswith("---\nbase_model: Qwen/Qwen3-8B\n")          # the Hub's model-card metadata
     cfg = d.config
-    for want in ["# DFlash drafter for Qwen/Qwen3-8B", "c" * 64, "w" * 64, "| block size | 8 ",
+    for want in ["# DFlash drafter for Qwen/Qwen3-8B", "w" * 64, "| block size | 8 ",
                  f"| tapped target layers | {cfg.target_layer_ids} of 6", f"| mask token id | {cfg.mask_token_id} |",
                  "| draft layers | 2 |", "| training steps | 1200 |", "| data rows | 5000 |",
                  "**3.25** on 80 prompts, lossless",
@@ -269,6 +291,30 @@ def test_model_card_says_what_serves_it(build_drafter, tiny_qwen3_dir, tmp_path)
     # a local target folder is named as given, with no Hub metadata
     local = (export_drafter(d, tmp_path / "local", target="/models/my-target") / "README.md").read_text()
     assert "base_model" not in local and "--model-path /models/my-target" in local
+
+
+def test_model_card_hashes_and_target_can_be_checked(build_drafter, tiny_qwen3_dir, tmp_path, monkeypatch):
+    """The card's hashes are what `sha256sum config.json` prints (the export's and the target's) and stats.json's
+    content_hash; a target given as a relative folder is served by its absolute path, a Hub id as it is."""
+    import hashlib
+    import shutil
+    shutil.copytree(tiny_qwen3_dir, tmp_path / "models" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4)
+    fp = {"path": str(tmp_path / "models" / "tiny"), "config_sha256": "c" * 64, "weights_sha256": "w" * 64}
+    out = export_drafter(d, tmp_path / "drafter", target="models/tiny", target_fingerprint=fp,
+                         data={"rows": 8, "content_hash": "ab" * 32})
+    card = (out / "README.md").read_text()
+    sha = lambda f: hashlib.sha256(f.read_bytes()).hexdigest()   # noqa: E731  as sha256sum prints it
+    assert f"| config.json sha256 | `{sha(out / 'config.json')}`" in card
+    assert f"| target config.json sha256 | `{sha(tmp_path / 'models' / 'tiny' / 'config.json')}`" in card
+    assert "c" * 64 not in card, "the normalised config hash matches no file: not on the card"
+    assert f"| data content_hash | `{'ab' * 32}` (`content_hash` in DATA/stats.json" in card
+    absolute = str(tmp_path / "models" / "tiny")
+    assert f"--model-path {absolute} " in card and f"vllm serve {absolute} " in card
+    assert f'AutoTokenizer.from_pretrained("{absolute}")' in card and '"models/tiny"' not in card
+    hub = (export_drafter(d, tmp_path / "hub", target="Qwen/Qwen3-8B") / "README.md").read_text()
+    assert "--model-path Qwen/Qwen3-8B " in hub and hub.startswith("---\nbase_model: Qwen/Qwen3-8B\n")
 
 
 def test_model_card_quick_start_runs(build_drafter, tmp_path):

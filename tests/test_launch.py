@@ -134,3 +134,37 @@ def test_the_last_line_says_how_the_job_ended(tmp_path, tiny):
         assert r.returncode == 0, (r.stdout, r.stderr)
         assert r.stdout.strip().splitlines()[-1].startswith("[launch] job ended: DRY_RUN: config and data are fine")
     assert (out / "train.log").read_text().count("DRY_RUN: config and data are fine") == 2
+
+
+@pytest.mark.job
+def test_help_prints_the_usage_and_starts_nothing(tmp_path):
+    """--help: launch.sh's own environment variables, the demo settings it would apply here, the trainer's --help
+    once; exit 0 before a venv, a folder or a job is made."""
+    r = launch("--help", VENV=str(tmp_path / "venv"), OUT_DIR=str(tmp_path / "run"))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "SESSION [dflash]" in r.stdout and "CPU_DEMO [1" in r.stdout and DEMO_MAX_STEPS in r.stdout
+    assert "need the venv" in r.stdout and not (tmp_path / "venv").exists() and not (tmp_path / "run").exists()
+    r = launch("--MAX_STEPS=5", "--help", OUT_DIR=str(tmp_path / "run"))   # with the venv: the trainer's --help too
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.count("usage: python train_dflash.py") == 1 and "--GRAD_CLIP=" in r.stdout
+    assert DEMO_MAX_STEPS in r.stdout and "launch: " not in r.stdout and not (tmp_path / "run").exists()
+    r = launch("--TARGET=/models/x", "-h", VENV=str(tmp_path / "venv"))
+    assert r.returncode == 0 and "applies no demo settings" in r.stdout and DEMO_MAX_STEPS not in r.stdout
+
+
+@pytest.mark.job
+def test_a_tracker_without_its_package_stops_the_launch(tmp_path, tiny):
+    """The pre-check is the trainer's whole start-up check: TENSORBOARD / WANDB_PROJECT without their package stop
+    launch.sh, not the job in its pane."""
+    target, data = tiny
+    hidden = tmp_path / "hidden"   # packages that fail to import, as when they are not installed
+    for name in ("tensorboard", "wandb"):
+        (hidden / name).mkdir(parents=True)
+        (hidden / name / "__init__.py").write_text(f'raise ImportError("No module named {name}")\n')
+    out = tmp_path / "run"
+    for flag, error in [("--TENSORBOARD=1", "pip install tensorboard"), ("--WANDB_PROJECT=mine", "pip install wandb")]:
+        r = launch(f"--TARGET={target}", f"--DATA={data}", f"--OUT_DIR={out}", f"--MASK_TOKEN_ID={MASK_ID}", flag,
+                   FOREGROUND="1", PYTHONPATH=str(hidden))
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert error in r.stderr and "launch: not started" in r.stderr and "Traceback" not in r.stderr
+        assert not out.exists()

@@ -173,3 +173,106 @@ def test_regenerate_reads_its_answers(url, local, tmp_path):
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["messages"][-1] == {"role": "assistant", "content": tok.decode(want, skip_special_tokens=True).strip()}
     assert row["finish_reasons"] == ["stop" if eos else "length"]
+
+
+# ---------------------------------------------------------------------------
+# Start-up checks, requests no tokenizer can take, clients that leave
+
+def start(model, *args, stderr):
+    """serve_openai as a process (stdout piped, stderr to the open file `stderr`) -> (process, base URL or None if
+    it exited before serving)."""
+    import subprocess
+    import sys
+    from server import ROOT
+    proc = subprocess.Popen([sys.executable, "-m", "tools.serve_openai", "--model", str(model), "--host", "127.0.0.1",
+                             *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    for line in proc.stdout:
+        if line.startswith("serving "):
+            return proc, line.rsplit(" on ", 1)[1].strip()
+    proc.wait(timeout=60)
+    return proc, None
+
+
+def test_bad_port_busy_port_or_missing_cuda_stop_before_the_model_loads(tmp_path):
+    """Exit 2 with the flag and the fix, before loading: the folder given has no model, so a check that came after
+    loading would say that instead."""
+    import socket
+    no_model = tmp_path / "no-model"
+    no_model.mkdir()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cases = [(["--port", "99999"], "--port 99999 is not a TCP port: give 1-65535, or 0 for any free one"),
+                 (["--port", str(port)], f"cannot listen on 127.0.0.1:{port} (Address already in use)")]
+        if not torch.cuda.is_available():
+            cases.append((["--port", "0", "--device", "cuda"], "--device cuda: torch sees no CUDA device"))
+        for args, message in cases:
+            with open(tmp_path / "err", "w+") as err:
+                proc, url = start(no_model, *args, stderr=err)
+                err.seek(0)
+                text = err.read()
+            assert url is None and proc.returncode == 2, (args, text)
+            assert message in text and "config.json" not in text and "Traceback" not in text, (args, text)
+
+
+def test_empty_prompt_and_lone_surrogate_are_400(url):
+    """vLLM answers these with a 400; they used to reach the tokenizer or generate and come back as a 500."""
+    for path, body, param in [
+            ("/v1/completions", {"model": NAME, "prompt": "", "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"model": NAME, "prompt": ["A", ""], "max_tokens": 1}, "prompt"),
+            ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x\\ud800", "max_tokens": 1}', None),
+            ("/v1/chat/completions", b'{"model": "tiny-chat", "max_tokens": 1, "messages": '
+                                     b'[{"role": "user", "content": "\\udc00"}]}', None)]:
+        status, got = post(url, path, body)
+        assert status == 400 and got["error"]["type"] == "BadRequestError" and got["error"]["param"] == param, got
+        assert ("cannot be empty" if param else "not valid Unicode") in got["error"]["message"], got
+    status, _ = post(url, "/v1/completions", {"model": NAME, "prompt": "A", "max_tokens": 1})
+    assert status == 200
+
+
+def test_a_client_gone_before_its_reply_is_one_log_line(capsys):
+    """The reply to a client that closed its connection: one line in the server's log, no BrokenPipeError."""
+    from types import SimpleNamespace
+    from tools import serve_openai
+
+    class Closed:
+        def write(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+    handler = serve_openai.make_handler(SimpleNamespace(max_model_len=512), NAME)
+    h = handler.__new__(handler)
+    h.wfile, h.request_version, h.requestline, h.command, h.path = Closed(), "HTTP/1.1", "", "POST", "/v1/completions"
+    h.client_address = ("127.0.0.1", 5555)
+    h.reply(200, {"choices": []})
+    err = capsys.readouterr().err
+    assert err == "serve_openai: client 127.0.0.1:5555 went away before its reply; POST /v1/completions dropped\n"
+    assert h.close_connection
+
+
+def test_requests_of_clients_that_left_are_dropped(model_dir, tmp_path):
+    """Clients that send a long request and disconnect: each request is dropped (waiting for the lock, or at the
+    next token), one log line each, and the next client is served."""
+    import json
+    import signal
+    import socket
+    with open(tmp_path / "err", "w+") as err:
+        proc, url = start(model_dir, "--port", "0", "--served-model", NAME, stderr=err)
+        try:
+            assert url, "the server did not start"
+            host, port = url.removeprefix("http://").split(":")
+            body = json.dumps({"model": NAME, "prompt": "A", "max_tokens": 400, "temperature": 0}).encode()
+            request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+            for _ in range(3):
+                with socket.create_connection((host, int(port))) as s:
+                    s.sendall(request)
+            status, got = post(url, "/v1/completions", {"model": NAME, "prompt": "A", "max_tokens": 2})
+            assert status == 200 and len(got["choices"]) == 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        err.seek(0)
+        log = err.read()
+    dropped = [ln for ln in log.splitlines() if "went away" in ln and "POST /v1/completions dropped" in ln]
+    assert len(dropped) == 3 and all(" generating;" in ln for ln in dropped), log
+    assert "Traceback" not in log and "BrokenPipeError" not in log, log

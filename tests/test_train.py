@@ -1,5 +1,6 @@
 """The trainer end to end on CPU: gloo transport, DDP drafters, resume, refusals. Each run is a real torchrun job
 with a tiny target (tests/runs.py)."""
+import hashlib
 import json
 import os
 import shutil
@@ -223,8 +224,13 @@ def test_eval_during_training_logs_tau(tmp_path):
     assert "eval step 4: tau=" in r.stdout and " tau=" in r.stdout.split("eval step 2")[1]
     # each evaluated checkpoint is measured before it is written: its export's model card carries that tau
     for m in evals:
-        card = (tmp_path / "out" / "checkpoints" / f"step_{m['step']:06d}" / "drafter" / "README.md").read_text()
+        export = tmp_path / "out" / "checkpoints" / f"step_{m['step']:06d}" / "drafter"
+        card = (export / "README.md").read_text()
         assert "on 2 prompts of `eval_broad.jsonl`" in card and "| **macro**" in card, card
+        # its hashes are what a user can compare: data.prepare's stats.json, sha256sum of the export's config.json
+        stats = json.loads((REPO / "data" / "default" / "smollm2" / "stats.json").read_text())
+        assert f"| data content_hash | `{stats['content_hash']}`" in card, card
+        assert f"| config.json sha256 | `{hashlib.sha256((export / 'config.json').read_bytes()).hexdigest()}`" in card
         assert sorted(m["tau_categories"]) == ["chat", "explain"], m["tau_categories"]   # dealt over the categories
 
 

@@ -10,12 +10,18 @@ DIR: a local HF folder or a Hub id already in the local cache (model.hub.resolve
 Endpoints: GET /v1/models; POST /v1/completions (a raw text prompt) and /v1/chat/completions (messages rendered with
 the tokenizer's chat template; chat_template_kwargs such as enable_thinking passed to it), with n, seed, max_tokens,
 stop, temperature (0 = greedy, transformers' own greedy generate) and top_p. A seed makes a sampled request repeatable.
-Errors as vLLM gives them: 404 for an unknown model name or path, 400 for a malformed request, in OpenAI's
-{"error": {...}} shape. One request generates at a time (a lock): a rehearsal server, not a fast one. No streaming.
+Errors as vLLM gives them: 404 for an unknown model name or path, 400 for a malformed request (an empty prompt, text
+that is not valid Unicode), in OpenAI's {"error": {...}} shape. One request generates at a time (a lock): a rehearsal
+server, not a fast one. No streaming. A request whose client has disconnected is dropped, with one line in the log:
+while it waits for the lock, and while it generates (checked at every token); a client gone by the reply is one line
+too. A bad --port or --device, or a port in use, stops it (exit 2) before the model loads.
 """
 import argparse
 import json
+import select
 import signal
+import socket
+import sys
 import threading
 import time
 import traceback
@@ -35,6 +41,10 @@ class BadRequest(Exception):
     def __init__(self, message, status=400, kind="BadRequestError", param=None):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready: the request is dropped."""
 
 
 def error_body(e: BadRequest) -> dict:
@@ -82,6 +92,15 @@ def chat_messages(body) -> list[dict]:
     return msgs
 
 
+def check_unicode(body) -> None:
+    """JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate, which no tokenizer can encode: a 400, not a 500."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"the request holds text that is not valid Unicode ({e.reason}: "
+                         f"{e.object[e.start:e.end]!a}); send UTF-8 text") from None
+
+
 def completion_prompts(body) -> list[str]:
     p = body.get("prompt")
     prompts = [p] if isinstance(p, str) else p
@@ -104,6 +123,27 @@ class StopOnText(StoppingCriteria):
         return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
 
 
+class StopWhenGone(StoppingCriteria):
+    """Ends generation once the request's client has disconnected (`gone`, checked at every token)."""
+
+    def __init__(self, gone):
+        self.gone = gone
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.gone(), dtype=torch.bool, device=input_ids.device)
+
+
+def socket_closed(sock) -> bool:
+    """Has the peer closed `sock`? Readable with nothing to read (EOF) or reset. A client waiting for its answer
+    sends nothing, so its socket is not readable; a pipelined next request is data, not EOF."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):   # reset, or already closed here
+        return True
+
+
 class Generator:
     """The model, its tokenizer and the lock that serialises generation."""
 
@@ -122,16 +162,24 @@ class Generator:
         except Exception as e:   # a template's raise_exception (bad roles, ...) is the request's fault
             raise BadRequest(f"the chat template rejected these messages: {e}", param="messages") from None
 
-    def generate(self, text, s, special_tokens) -> tuple[int, list[tuple[str, str, int]]]:
+    def generate(self, text, s, special_tokens, gone=lambda: False) -> tuple[int, list[tuple[str, str, int]]]:
         """A prompt's text and sampling settings -> (prompt tokens, n x (text, finish_reason, completion tokens)).
         special_tokens: let the tokenizer add its BOS (vLLM does for a raw prompt, not for a rendered template).
-        All of it under the lock: a fast tokenizer used from two threads at once can fail ("Already borrowed")."""
+        All of it under the lock: a fast tokenizer used from two threads at once can fail ("Already borrowed").
+        gone(): has the client disconnected? Checked once the lock is ours and at every token: ClientGone."""
         with self.lock, torch.no_grad():
-            return self._generate(text, s, special_tokens)
+            if gone():
+                raise ClientGone("before generating")
+            out = self._generate(text, s, special_tokens, gone)
+            if gone():
+                raise ClientGone("while generating")
+            return out
 
-    def _generate(self, text, s, special_tokens):
+    def _generate(self, text, s, special_tokens, gone):
         ids = self.tok(text, add_special_tokens=special_tokens, return_tensors="pt")["input_ids"].to(self.model.device)
         P = ids.shape[1]
+        if P == 0:   # vLLM's words: there is no token to continue from
+            raise BadRequest("The decoder prompt cannot be empty", param="prompt")
         room = self.max_model_len - P
         max_new = s["max_tokens"] if s["max_tokens"] is not None else room
         if max_new > room or room < 1:
@@ -143,7 +191,8 @@ class Generator:
                                num_return_sequences=1 if greedy else s["n"],   # n greedy answers are one
                                temperature=None if greedy else s["temperature"], top_p=None if greedy else s["top_p"],
                                top_k=None if greedy else 0, eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0])
-        criteria = StoppingCriteriaList([StopOnText(self.tok, s["stop"], P)] if s["stop"] else [])
+        criteria = StoppingCriteriaList([StopWhenGone(gone)] + ([StopOnText(self.tok, s["stop"], P)] if s["stop"]
+                                                                else []))
         if s["seed"] is not None:
             torch.manual_seed(s["seed"])          # under the lock: the global RNG is this request's alone
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen,
@@ -169,22 +218,22 @@ def make_handler(gen: Generator, name: str):
         if model != name:
             raise BadRequest(f"The model `{model}` does not exist.", status=404, kind="NotFoundError", param="model")
 
-    def completions(body):
+    def completions(body, gone):
         check_model(body)
         s, prompts = sampling(body), completion_prompts(body)
         choices, used = [], 0
         for text in prompts:
-            p, outs = gen.generate(text, s, special_tokens=True)
+            p, outs = gen.generate(text, s, special_tokens=True, gone=gone)
             used += p
             choices += [{"index": len(choices) + i, "text": t, "logprobs": None, "finish_reason": why, "_tokens": k}
                         for i, (t, why, k) in enumerate(outs)]
         return "cmpl", "text_completion", choices, used
 
-    def chat(body):
+    def chat(body, gone):
         check_model(body)
         s, msgs = sampling(body), chat_messages(body)
         kwargs = _field(body, "chat_template_kwargs", (dict,), {}, what="an object")
-        p, outs = gen.generate(gen.render(msgs, kwargs), s, special_tokens=False)
+        p, outs = gen.generate(gen.render(msgs, kwargs), s, special_tokens=False, gone=gone)
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
                     "finish_reason": why, "_tokens": k} for i, (t, why, k) in enumerate(outs)]
         return "chatcmpl", "chat.completion", choices, p
@@ -195,13 +244,21 @@ def make_handler(gen: Generator, name: str):
         def log_message(self, fmt, *args):   # one line per request is noise in a test log
             pass
 
+        def client_left(self, when):
+            print(f"serve_openai: client {self.client_address[0]}:{self.client_address[1]} went away {when}; "
+                  f"{self.command} {self.path} dropped", file=sys.stderr, flush=True)
+            self.close_connection = True
+
         def reply(self, status, obj):
             data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):   # the client left: one line, not a traceback
+                self.client_left("before its reply")
 
         def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
@@ -226,9 +283,12 @@ def make_handler(gen: Generator, name: str):
                     raise BadRequest(f"the body is not JSON: {e}") from None
                 if not isinstance(body, dict):
                     raise BadRequest("the body must be a JSON object")
-                prefix, kind, choices, prompt_tokens = route(body)
+                check_unicode(body)
+                prefix, kind, choices, prompt_tokens = route(body, lambda: socket_closed(self.connection))
             except BadRequest as e:
                 return self.reply(e.status, error_body(e))
+            except ClientGone as e:
+                return self.client_left(str(e))
             except Exception as e:   # a bug here: say so to the client and in this server's log, keep serving
                 traceback.print_exc()
                 return self.reply(500, error_body(BadRequest(f"{type(e).__name__}: {e}", 500, "InternalServerError")))
@@ -257,10 +317,28 @@ def main(argv=None):
         path = resolve_model_path(args.model)
     except FileNotFoundError as e:
         raise SystemExit(f"serve_openai: {e}")
+    # what can be wrong with the flags or this machine, found before the model loads (usage errors: exit 2)
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port {args.port} is not a TCP port: give 1-65535, or 0 for any free one")
+    if args.device != "auto":
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            ap.error(f"--device {args.device!r}: {e}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            ap.error(f"--device {args.device}: torch sees no CUDA device (a CPU build of torch, or no GPU visible): "
+                     f"use --device cpu")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            ap.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    try:   # listen first: a port in use is said now, not after the model loaded; clients queue until serving
+        httpd = ThreadingHTTPServer((args.host, args.port), BaseHTTPRequestHandler)
+    except OSError as e:
+        ap.error(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): stop what holds the port or pick "
+                 f"another --port (0 = any free one)")
+    httpd.daemon_threads = True
     name = args.served_model or args.model
     gen = Generator(path, args.device, args.dtype)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(gen, name))
-    httpd.daemon_threads = True
+    httpd.RequestHandlerClass = make_handler(gen, name)
     # SIGTERM: leave serve_forever from another thread (shutdown() waits for the loop it stops)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
     host, port = httpd.server_address[:2]

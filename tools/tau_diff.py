@@ -16,6 +16,7 @@ noise.
 import argparse
 import gzip
 import json
+import math
 import sys
 
 from eval_dflash import category_stats, mean_se
@@ -52,11 +53,20 @@ def per_prompt(drafter: dict, where: str) -> dict:
         if not isinstance(p, dict) or "id" not in p or "tau" not in p:
             raise SystemExit(f"tau_diff: {where}: per_prompt[{n}] lacks `id` or `tau` (has "
                              f"{sorted(p) if isinstance(p, dict) else type(p).__name__})")
-        if not (p["tau"] is None or isinstance(p["tau"], (int, float))):
-            raise SystemExit(f"tau_diff: {where}: per_prompt[{n}] has tau {p['tau']!r}, not a number")
+        tau, category = p["tau"], p.get("category", "all")
+        # json reads NaN and Infinity, and bool is an int: each would average into a tau that means nothing
+        if not (tau is None or isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau)):
+            raise SystemExit(f"tau_diff: {where}: per_prompt[{n}] (id {p['id']!r}) has tau {tau!r}, not a number: a "
+                             f"tau is finite, or null (no step after the prefill)")
+        if isinstance(p["id"], bool) or not isinstance(p["id"], (str, int)):
+            raise SystemExit(f"tau_diff: {where}: per_prompt[{n}] has id {p['id']!r}: a prompt id is a string or an "
+                             f"integer")
+        if not isinstance(category, str):
+            raise SystemExit(f"tau_diff: {where}: per_prompt[{n}] (id {p['id']!r}) has category {category!r}: a "
+                             f"string, or no `category` key for \"all\"")
         if p["id"] in out:
             repeated.append(str(p["id"]))
-        out[p["id"]] = {"tau": p["tau"], "category": str(p.get("category", "all"))}
+        out[p["id"]] = {"tau": tau, "category": category}
     if repeated:
         raise SystemExit(f"tau_diff: {where} repeats prompt ids {', '.join(sorted(set(repeated))[:10])}: a paired "
                          f"difference needs each prompt once")
