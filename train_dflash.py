@@ -8,7 +8,7 @@ docs/ALGORITHM.md; the route of a micro-batch and the role of each file: ARCHITE
     python train_dflash.py --MAX_STEPS=20                              # one process: target and drafter in turn
     python train_dflash.py --help                                      # the constants below, grouped, with comments
 
-Every constant below can be overridden as --NAME=VALUE (settings.py checks them). The final values are printed,
+Every constant below can be overridden as --NAME=VALUE (trainer/settings.py checks them). The final values are printed,
 saved in OUT_DIR/run.json and in every checkpoint.
 """
 import contextlib
@@ -31,21 +31,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint as ckpt
 import eval_dflash
-import planner
-import settings
 from data.loader import Data, DataError, Schedule, read_stats, tokenizer_mismatches
 from model import fp8
 from model.attention import set_flex_kernel_options, warmup_flex_attention
 from model.drafter import Drafter, DrafterConfig, compile_drafter
 from model.export import export_drafter
 from model.target import Target, load_frozen_io
-from optim import lr_at, make_optimizer
-from pipe import (BusyClock, Prefetcher, Replica, Sender, StopPoint, TargetAhead, Watchdog, fail, finish, on_signals,
-                  produce, receive, wait_done)
-from status import Metrics, Meter, Phase, check_trackers, log, log_peak_memory, log_plan, status_line
-from step import StepConfig, autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
+from trainer import checkpoint as ckpt
+from trainer import planner
+from trainer import settings
+from trainer.drafter_step import StepConfig, autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
+from trainer.optim import lr_at, make_optimizer
+from trainer.pipe import BusyClock, Prefetcher, Replica, Sender, StopPoint, TargetAhead, produce, receive
+from trainer.status import Metrics, Meter, Phase, check_trackers, log, log_peak_memory, log_plan, status_line
+from trainer.watchdog import Watchdog, fail, finish, on_signals, wait_done
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 
@@ -106,7 +106,7 @@ DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # | rowwise | tensorwise: torchao's 
 HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradient) in FP8, per-row scales (SM89+)
 DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
-OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (optim.py)
+OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (trainer/optim.py)
 Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
 Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
 SEND_DEPTH = 2              # feature tensors a target rank may have in flight
@@ -138,7 +138,7 @@ REPO = Path(__file__).resolve().parent
 # --- configuration ----------------------------------------------------------------------------------------------------
 
 def constants() -> SimpleNamespace:
-    """The constants above as they are now (after main's overrides), for settings.py's checks."""
+    """The constants above as they are now (after main's overrides), for trainer/settings.py's checks."""
     return SimpleNamespace(**{k: globals()[k] for k in CONFIG_KEYS})
 
 
@@ -299,7 +299,7 @@ def load_data(d, config, hf_cfg, watchdog):
         d.mem_estimate = mplan["roles"][d.role]["total"]                  # read back by log_peak_memory
         errs = planner.check_fits(mplan, gpu_mem)
         if errs:
-            sys.exit("error: the config does not fit this GPU (planner.py):\n  - " + "\n  - ".join(errs))
+            sys.exit("error: the config does not fit this GPU (trainer/planner.py):\n  - " + "\n  - ".join(errs))
     return data
 
 
@@ -733,7 +733,7 @@ def stop_requested(run) -> bool:
 
 
 def save_checkpoint(run):
-    """The master's checkpoint after run.step (checkpoint.py's schema); every EVAL_EVERY-th one is evaluated just
+    """The master's checkpoint after run.step (trainer/checkpoint.py's schema); every EVAL_EVERY-th one is evaluated just
     before it is written, so its export's model card carries that tau. DRAFTER_SHARDING=fsdp: every drafter rank calls it, writes its shard into the master's folder
     (checkpoint.save_shards) and takes part in gathering the whole drafter for the serving export."""
     d = run.d
@@ -769,7 +769,7 @@ def save_checkpoint(run):
 def evaluate(run, drafter):
     """tau of the current drafter (run.drafter, or its whole copy when sharded) on EVAL_PROMPTS, on this rank; peers
     wait at the next collective, targets keep filling the queues. The watchdog knows (its stall check pauses), and
-    the HF target it loads in EVAL_DTYPE is freed afterwards (planner.py counts it in the drafter's peak)."""
+    the HF target it loads in EVAL_DTYPE is freed afterwards (trainer/planner.py counts it in the drafter's peak)."""
     d, setup = run.d, run.eval_setup
     run.opt.wait_all()
     t = time.time()

@@ -1,14 +1,14 @@
-"""settings.py: check_config's ranges, --NAME=VALUE and --help; the LR schedule. In-process (no job is started)."""
+"""trainer/settings.py: check_config's ranges, --NAME=VALUE and --help; the LR schedule. In-process (no job is started)."""
 import math
 import subprocess
 import sys
 
 import pytest
 
-import settings
+from trainer import settings
 import train_dflash as td
 from data.loader import Schedule
-from optim import lr_at
+from trainer.optim import lr_at
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint as ckpt
+from trainer import checkpoint as ckpt
 import runs
 
 FAULTS = Path(__file__).resolve().parent / "faults"
@@ -652,7 +652,7 @@ def test_one_process_mode_ends_on_a_second_signal_while_stuck(assets, faults, tm
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert runs.wait_for(proc, "saving a checkpoint at the next step", 10, lines), "".join(lines)
-        from pipe import SECOND_SIGNAL_S
+        from trainer.watchdog import SECOND_SIGNAL_S
         time.sleep(SECOND_SIGNAL_S + 0.5)          # sooner it would be the same signal, forwarded (next test)
         proc.send_signal(signal.SIGTERM)
         code, rest, waited = runs.finish(proc, 20)

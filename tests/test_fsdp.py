@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint as ckpt
+from trainer import checkpoint as ckpt
 import runs
 
 # 10 micro-batches per epoch x 3 epochs; 6 per step (2 drafters x GRAD_ACCUM 3) => 5 steps, saved at 2, 4, 5
@@ -95,7 +95,7 @@ def _gradient_worker():
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     import train_dflash as td
-    from step import optimizer_step
+    from trainer.drafter_step import optimizer_step
     from model.drafter import Drafter, DrafterConfig
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -7,17 +7,26 @@ REPO = Path(__file__).resolve().parents[1]
 # ARCHITECTURE.md's picture, top to bottom
 TIERS = [
     ("train_dflash", "eval_dflash", "bench", "tools"),
-    ("settings", "status"),
-    ("step", "pipe", "checkpoint", "planner"),
-    ("optim",),
+    ("trainer.roles",),
+    ("trainer.settings", "trainer.status"),
+    ("trainer.drafter_step", "trainer.pipe", "trainer.checkpoint", "trainer.planner", "trainer.watchdog"),
+    ("trainer.optim",),
     ("data",),
     ("model",),
 ]
 TIER = {name: len(TIERS) - i for i, names in enumerate(TIERS) for name in names}
+PROGRAMS = {"train_dflash.py", "eval_dflash.py"}   # the root holds the programs; their library is trainer/ and model/
+
+
+def tier(module: str) -> int:
+    """A module's tier: its own entry (trainer.pipe), else its folder's (model.drafter -> model)."""
+    return TIER[module] if module in TIER else TIER[module.split(".")[0]]
 
 
 def project_modules() -> dict[str, Path]:
-    files = list(REPO.glob("*.py")) + [p for d in ("model", "data", "bench", "tools") for p in (REPO / d).glob("*.py")]
+    files = list(REPO.glob("*.py")) + [p for d in ("trainer", "model", "data", "bench", "tools")
+                                        for p in (REPO / d).glob("*.py")]
+    files = [p for p in files if p != REPO / "trainer" / "__init__.py"]   # a docstring: `from trainer import x` is x
     return {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
 
 
@@ -37,12 +46,13 @@ def imports_of(path: Path, modules) -> set[str]:
 
 def test_every_file_imports_only_its_tier_or_lower():
     modules = project_modules()
-    assert {"train_dflash", "settings", "step", "optim", "model.engine", "data.synthesize"} <= set(modules)
+    assert {"train_dflash", "trainer.settings", "trainer.drafter_step", "trainer.optim", "model.engine",
+            "data.synthesize"} <= set(modules)
     upward = []
     for name, path in modules.items():
-        tier = TIER[name.split(".")[0]]
-        upward += [f"{name} (tier {tier}) imports {dep} (tier {TIER[dep.split('.')[0]]})"
-                   for dep in sorted(imports_of(path, modules)) if TIER[dep.split(".")[0]] > tier]
+        t = tier(name)
+        upward += [f"{name} (tier {t}) imports {dep} (tier {tier(dep)})"
+                   for dep in sorted(imports_of(path, modules)) if tier(dep) > t]
     assert not upward, "imports against ARCHITECTURE.md's import rule:\n" + "\n".join(upward)
 
 
@@ -64,3 +74,8 @@ def test_the_project_imports_without_a_circle():
 
     for n in sorted(graph):
         visit(n)
+
+
+def test_the_root_holds_only_the_programs():
+    """`ls` shows where to start: the two programs are the root's only Python files."""
+    assert {p.name for p in REPO.glob("*.py")} == PROGRAMS

@@ -1,4 +1,4 @@
-"""optim.py: the drafter's chunked AdamW equals the plain two-group AdamW, and on CUDA the overlapped step (side
+"""trainer/optim.py: the drafter's chunked AdamW equals the plain two-group AdamW, and on CUDA the overlapped step (side
 stream, the forward waiting per chunk) equals the step after the backward, bitwise; scale_clip_ against
 mul_ + clip_grad_norm_; the LR schedule."""
 import copy
@@ -8,7 +8,7 @@ import torch
 
 from model.attention import make_attn_spec
 from model.objective import pack
-from optim import ChunkedAdamW, make_optimizer, param_chunks, scale_clip_
+from trainer.optim import ChunkedAdamW, make_optimizer, param_chunks, scale_clip_
 
 
 def _inputs(drafter, device, seed=0):
@@ -73,7 +73,7 @@ def test_overlapped_step_equals_plain_step_on_cuda(build_drafter, tiny_qwen3_dir
     """Three training steps (forward, backward, clip into grad_scale, step) with the update on a side stream and
     the forward waiting per chunk, against the same steps with the update after the backward: bitwise equal
     losses and parameters."""
-    from optim import scale_clip_
+    from trainer.optim import scale_clip_
     dev = torch.device("cuda")
     runs = {}
     for overlap in (False, True):

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint as ckpt
-from pipe import BusyClock, Prefetcher, TargetAhead
+from trainer import checkpoint as ckpt
+from trainer.pipe import BusyClock, Prefetcher, TargetAhead
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread(wa
     waiting past the 20 s timeout (tried on CPython 3.11)."""
     code = textwrap.dedent("""
         import os, queue, signal, threading, time
-        import pipe
+        from trainer import pipe
         signal.signal(signal.SIGTERM, lambda *a: os._exit(7))
         sleeper = threading.Thread(target=lambda: time.sleep(3600), daemon=True)
         sleeper.start()

@@ -9,7 +9,7 @@ import torch
 
 import train_dflash as td
 from bench import bench_dflash as bd
-import planner
+from trainer import planner
 from runs import REPO, env, free_port
 
 GiB = 2 ** 30

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import planner
+from trainer import planner
 import runs
 import train_dflash as td
 from test_faults import Job, set_faults

@@ -261,7 +261,7 @@ def test_resume_refuses_changed_drafter_settings_and_another_target(assets, tmp_
     """Before any model loads: another BLOCK_SIZE (it continued silently), NUM_DRAFT_LAYERS (a raw load_state_dict
     error) or a different target of the same sizes (it continued silently) is refused, naming the setting and both
     values."""
-    import checkpoint as ckpt
+    from trainer import checkpoint as ckpt
     from model.drafter import DrafterConfig
     target, data = assets
     out = tmp_path / "out"
@@ -335,7 +335,7 @@ def test_data_of_another_tokenizer_or_template_is_refused(tmp_path):
 
 def test_a_missing_tracker_package_is_an_error_naming_its_install(monkeypatch):
     import builtins
-    import status
+    from trainer import status
     real = builtins.__import__
 
     def no_trackers(name, *a, **kw):
@@ -361,7 +361,7 @@ def init(**kw):
 
 
 def test_wandb_run_id_is_kept_in_out_dir_and_reused_on_resume(tmp_path, monkeypatch):
-    import status
+    from trainer import status
     (tmp_path / "pkgs").mkdir()
     (tmp_path / "pkgs" / "wandb.py").write_text(FAKE_WANDB)
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))

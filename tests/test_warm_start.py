@@ -31,7 +31,7 @@ def export(target_dir, out, layers=1, block_size=4, seed=123, dtype=torch.float3
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_init_from_gives_the_exported_weights_and_logits(assets, tmp_path, dtype, monkeypatch):
-    import settings
+    from trainer import settings
     from model.drafter import Drafter
     target, _ = assets
     src = export(target, tmp_path / "drafter", dtype=dtype)
@@ -60,8 +60,8 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     from model.drafter import Drafter
     from model.objective import weighted_ce
     from model.target import load_frozen_io
-    from pipe import Packet
-    from step import StepConfig, make_prepare
+    from trainer.pipe import Packet
+    from trainer.drafter_step import StepConfig, make_prepare
     target, data = assets
     src = export(target, tmp_path / "drafter")
     out = tmp_path / "out"

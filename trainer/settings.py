@@ -11,14 +11,14 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-import checkpoint as ckpt
+from trainer import checkpoint as ckpt
 from model import fp8
 from model.drafter import COMPILE_MODES, DrafterConfig
 from model.objective import WEIGHTINGS
 from model.hub import HUB_ID, resolve_model_path
 from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 # Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
 # Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).

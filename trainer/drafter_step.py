@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from model.attention import static_lengths
 from model.objective import block_loss, block_metrics, decay_weighted, micro_seed, prepare
-from optim import scale_clip_
+from trainer.optim import scale_clip_
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import planner
-from pipe import BusyClock
-from step import StepSums
+from trainer import planner
+from trainer.pipe import BusyClock
+from trainer.drafter_step import StepSums
 
 WANDB_ID_FILE = "wandb_run_id.txt"   # in OUT_DIR: the W&B run a resume continues
 

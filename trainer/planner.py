@@ -485,7 +485,7 @@ def format_plan(estimate: dict, gpu_mem_bytes=None, rates=None, n_gpus=None) -> 
     """A few start-up lines: each role's peak and its terms, and the split `rates` = (target tok/s, drafter tok/s per
     GPU) recommends for n_gpus (default: the estimate's world size)."""
     gpu_mem_bytes = gpu_mem_bytes or estimate.get("gpu_mem_bytes")
-    head = "memory per GPU (planner.py estimate"
+    head = "memory per GPU (trainer/planner.py estimate"
     head += f"; {usable_bytes(gpu_mem_bytes) / GiB:.1f} of {gpu_mem_bytes / GiB:.1f} GiB usable):" if gpu_mem_bytes \
         else "):"
     lines = [head]
