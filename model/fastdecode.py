@@ -20,7 +20,7 @@ from [token, MASK x (B-1)] at start..start+B-1 -> the target verifies [token, dr
 longest prefix of drafts equal to the target's argmax -> the drafter's context gets the block's features -> the
 next token is the target's argmax after the a accepted drafts, start += a + 1). The host reads back one small
 tensor per step (the next token; or the block's argmax ids and a) to cut at eos / max_new_tokens, as
-eval_dflash.speculative_decode does. The prompt prefill is one eager forward of the same code.
+model.decode.speculative_decode does. The prompt prefill is one eager forward of the same code.
 
 Kernels per step (aten ops that do work, counted on the CPU by `python -m tools.count_ops`: SmolLM2-135M target,
 30 layers, a 5-layer drafter, B=16; before = commit b72f6aa). At batch 1 on a small model every kernel is a launch
@@ -243,7 +243,7 @@ class FastDecoder:
 
     @torch.inference_mode()
     def greedy(self, prompt_ids, max_new_tokens, eos) -> list[int]:
-        """Plain greedy decoding (eval_dflash.greedy_decode's tokens): up to max_new_tokens, the first eos included."""
+        """Plain greedy decoding (model.decode.greedy_decode's tokens): up to max_new_tokens, the first eos included."""
         self._check_fits(len(prompt_ids), max_new_tokens)
         self._ready("greedy", self._greedy_step)
         self._prefill(prompt_ids)

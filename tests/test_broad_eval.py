@@ -9,6 +9,7 @@ from data import broad_eval
 from data import filters as F
 from data.sources import write_jsonl
 import eval_dflash
+from data.prompts import load_prompts, prompt_messages
 
 MIN_PER_CATEGORY = 25
 
@@ -28,7 +29,7 @@ def test_categories_sources_and_rows(rows):
     counts = {c: sum(r["category"] == c for r in rows) for c in broad_eval.CATEGORIES}
     assert set(r["category"] for r in rows) == set(broad_eval.CATEGORIES)
     assert all(n >= MIN_PER_CATEGORY for n in counts.values()), counts
-    loaded = eval_dflash.load_prompts(broad_eval.OUT)             # every row checks, ids unique
+    loaded = load_prompts(broad_eval.OUT)             # every row checks, ids unique
     assert [r["id"] for r in loaded] == [r["id"] for r in rows]
     source = broad_eval.read_jsonl(broad_eval.SOURCE)
     code = [r["id"] for r in rows if r["category"] == "code_complete"]
@@ -40,7 +41,7 @@ def test_categories_sources_and_rows(rows):
         u1, placeholder, u2 = r["messages"]
         assert placeholder == {"role": "assistant", "content": None}
         assert [u1, u2] == mt[r["id"].removeprefix("multiturn/")]["messages"]
-        assert eval_dflash.prompt_messages(r) == r["messages"]     # the evaluator fills the placeholder
+        assert prompt_messages(r) == r["messages"]     # the evaluator fills the placeholder
 
 
 def test_system_rows(rows):
@@ -50,7 +51,7 @@ def test_system_rows(rows):
     assert all([m["role"] for m in r["messages"]] == ["system", "user"] for r in system)
     for k in (0, 1):
         assert len({r["messages"][k]["content"] for r in system}) == len(system)
-    assert all(eval_dflash.prompt_messages(r) == r["messages"] for r in system)
+    assert all(prompt_messages(r) == r["messages"] for r in system)
 
 
 def test_hand_written_prompts_are_not_near_duplicates_of_each_other(rows):

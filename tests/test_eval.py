@@ -12,8 +12,9 @@ import torch
 
 from conftest import SMOLLM2_DIR
 import eval_dflash
-from eval_dflash import (PromptTooLong, build_tree, evaluate, evaluate_drafters, greedy_decode, main, prompt_messages,
-                         speculative_decode)
+from data.prompts import PromptTooLong, encode_prompt, load_prompts, prompt_messages, refused_by_template
+from eval_dflash import evaluate, evaluate_drafters, main
+from model.decode import build_tree, eos_ids, greedy_decode, speculative_decode
 from model.drafter import DrafterCache
 from model.export import export_drafter, load_drafter
 
@@ -187,7 +188,7 @@ def test_proposals_equal_training_forward(target, build_drafter, tiny_qwen3_dir)
     """Every proposal of the cached decode loop equals the training-time forward: features of all tokens before the
     block from a fresh no-cache target run (model.target.Target: layer hooks, no hidden_states offset to get wrong),
     one block [token at start, MASK...] at positions start.., the training mask."""
-    from eval_dflash import DrafterProposer
+    from model.decode import DrafterProposer
     from model.target import Target
     d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B)
     tgt = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=d.config.target_layer_ids)
@@ -293,7 +294,7 @@ def test_teacher_forced_streak_equals_the_decode_path(target, build_drafter, tin
     """teacher_forced_streak (training forward over the whole sequence) equals the streak the cached decode path
     gets at every anchor. The completion is built from the drafter's own slot-1 choice, so every anchor's slot 1
     is right by construction: the value must be >= 1, and any off-by-one between the paths breaks that."""
-    from eval_dflash import DrafterProposer, target_forward, teacher_forced_streak
+    from model.decode import DrafterProposer, target_forward, teacher_forced_streak
     from transformers import DynamicCache
     d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B).eval()
     prop = DrafterProposer(d, target)
@@ -446,15 +447,15 @@ def test_limit_spreads_over_categories(tmp_path):
     rows = [{"id": f"{c}{i}", "category": c, "prompt": "x"} for c in "abc" for i in range(4)]
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert [r["id"] for r in eval_dflash.load_prompts(f, limit=5)] == ["a0", "a1", "b0", "b1", "c0"]
-    assert len(eval_dflash.load_prompts(f, limit=50)) == 12
+    assert [r["id"] for r in load_prompts(f, limit=5)] == ["a0", "a1", "b0", "b1", "c0"]
+    assert len(load_prompts(f, limit=50)) == 12
 
 
 def test_categories_keep_or_leave_out(tmp_path):
     rows = [{"id": f"{c}{i}", "category": c, "prompt": "x"} for c in "abc" for i in range(4)] + [{"prompt": "y"}]
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ids = lambda **kw: [r["id"] for r in eval_dflash.load_prompts(f, **kw)]          # noqa: E731
+    ids = lambda **kw: [r["id"] for r in load_prompts(f, **kw)]          # noqa: E731
     assert ids(categories="b") == ["b0", "b1", "b2", "b3"]
     assert ids(categories="a, all") == ["a0", "a1", "a2", "a3", "p.jsonl:13"]
     assert ids(categories="-a,-b,-all") == ["c0", "c1", "c2", "c3"]
@@ -472,7 +473,7 @@ def test_prompts_the_template_refuses_fail_before_the_target_loads(tmp_path, mon
     from transformers import AutoTokenizer
     broad = Path("data/default/eval_broad.jsonl")
     tok = AutoTokenizer.from_pretrained(no_system_target)
-    refused = eval_dflash.refused_by_template(tok, eval_dflash.load_prompts(broad))
+    refused = refused_by_template(tok, load_prompts(broad))
     assert {r["category"] for r, _ in refused} == {"system"} and len(refused) == 30
     assert all("System role not supported" in why for _, why in refused)
     ran = []
@@ -518,7 +519,7 @@ def test_duplicate_prompt_ids_are_refused(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in ("a", "b", "a")))
     with pytest.raises(ValueError, match="ids must be unique .*repeated: a"):
-        eval_dflash.load_prompts(f)
+        load_prompts(f)
 
 
 @pytest.mark.skipif(not SMOLLM2_DIR.exists(), reason=f"no SmolLM2 folder at {SMOLLM2_DIR}")
@@ -529,7 +530,7 @@ def test_multiturn_row_measures_the_second_answer(tiny_smollm2, build_drafter):
     from data.chat import render
     tok = AutoTokenizer.from_pretrained(tiny_smollm2)
     model = AutoModelForCausalLM.from_pretrained(tiny_smollm2, dtype=torch.float32, attn_implementation="sdpa").eval()
-    eos = eval_dflash.eos_ids(model, tok)
+    eos = eos_ids(model, tok)
     u1, u2 = {"role": "user", "content": "Name a colour."}, {"role": "user", "content": "And another one?"}
     row = {"id": "m", "category": "multiturn", "messages": [u1, {"role": "assistant", "content": None}, u2]}
 
@@ -539,8 +540,8 @@ def test_multiturn_row_measures_the_second_answer(tiny_smollm2, build_drafter):
     answer = tok.decode([t for t in first if t not in eos], skip_special_tokens=True)
     want = encode([u1, {"role": "assistant", "content": answer}, u2])
     with pytest.raises(ValueError, match="answer placeholder: encoding it needs the target"):
-        eval_dflash.encode_prompt(tok, row)
-    assert len(answer) > 0 and eval_dflash.encode_prompt(tok, row, answer=lambda ids: [
+        encode_prompt(tok, row)
+    assert len(answer) > 0 and encode_prompt(tok, row, answer=lambda ids: [
         t for t in greedy_decode(model, ids, eval_dflash.EARLIER_ANSWER_TOKENS, eos) if t not in eos]) == want
     drafter = build_drafter(tiny_smollm2, num_layers=1, block_size=B)
     res = evaluate(model, tok, drafter, [row], max_new_tokens=8, log=None)

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import SMOLLM2_DIR, TINY
 from model.engine import SUPPORTED
-from eval_dflash import DrafterProposer, encode_prompt, eos_ids, greedy_decode, main, speculative_decode, target_forward
+from data.prompts import encode_prompt
+from eval_dflash import main
+from model.decode import DrafterProposer, eos_ids, greedy_decode, speculative_decode, target_forward
 from model.drafter import DrafterCache, _apply_rope, rope_cos_sin
 from model.export import export_drafter
 from model.fastdecode import DraftState, FastDecoder, additive_mask, attend, rope, rotated_sin

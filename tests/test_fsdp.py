@@ -94,7 +94,7 @@ def _gradient_worker():
     """Run by the test above under torchrun (2 processes): both are drafter ranks (TARGET_RANKS = 0 here)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    import train_dflash as td
+    from trainer.roles import shard_drafter
     from trainer.drafter_step import optimizer_step
     from model.drafter import Drafter, DrafterConfig
     dist.init_process_group("gloo")
@@ -123,7 +123,7 @@ def _gradient_worker():
     sharded = Drafter(cfg)
     before = {k: v.clone() for k, v in sharded.state_dict().items()}
     d = type("D", (), {"drafters": group, "device": torch.device("cpu"), "dtype": torch.float32})()
-    td.shard_drafter(d, sharded)
+    shard_drafter(d, sharded)
     opt = torch.optim.SGD(sharded.parameters(), lr=1.0)
     step_w = torch.zeros(1, dtype=torch.float64)
     mine = [micro_batch(2 * rank + m) for m in range(2)]

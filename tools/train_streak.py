@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data.loader import read_arrow_dataset
-from eval_dflash import DrafterProposer, teacher_forced_streak
+from model.decode import DrafterProposer, teacher_forced_streak
 from model.export import load_drafter
 
 

@@ -1,13 +1,14 @@
 """train_dflash.py's settings: `--NAME=VALUE` overrides of its constants, `--help` (the constants block, read from
 its source), the checks a user can act on before any model loads (`check_config`, `check_init_from`), and the
-choices made from the target's tokenizer (`choose_mask_token_id`). Functions take the settings as `c`, an object
-with the constants as attributes (train_dflash passes `SimpleNamespace(**config)`)."""
+choices made from the target's tokenizer (`choose_mask_token_id`). Functions take the settings as `c`, a `Settings`:
+the constants as read-only attributes (train_dflash.constants())."""
 import ast
 import difflib
 import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from safetensors.torch import load_file
 
@@ -37,6 +38,18 @@ RANGES = {
     "LOG_SECONDS": (0, True), "HEARTBEAT_TIMEOUT": (0, True), "STALL_TIMEOUT": (0, True), "EVAL_EVERY": (0, False),
     "EVAL_LIMIT": (1, False), "EVAL_MAX_NEW_TOKENS": (1, False), "DUMP_BATCHES": (0, False),
 }
+
+
+
+class Settings(SimpleNamespace):
+    """The run's settings, frozen: train_dflash.py's constants after the overrides, read as c.NAME. The library reads
+    them from here and never from train_dflash's globals; a value is changed on the command line, not in flight."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the settings are frozen: set {name} as a constant or --{name}=VALUE")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"the settings are frozen: {name} stays")
 
 
 # --- overrides and --help -------------------------------------------------------------------------------------------
