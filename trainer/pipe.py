@@ -1,10 +1,8 @@
 """Target -> drafter transport and the queues between the stages (the watchdog that ends the job on a dead or
 stuck rank is trainer/watchdog.py).
 
-A micro-batch's route: `produce` (q_pre: data.batch on a prefetch thread, then the target forward) -> `Sender` ->
-wire -> `receive` -> `Prefetcher` (q_hs: model.objective.prepare on a side stream) -> the training step. The
-one-process mode chains `produce` straight into a `Prefetcher` (the target forward on the feeder thread), or with a
-compiled target runs `produce` on its main thread a micro-batch ahead (`TargetAhead`).
+The stages here, in a micro-batch's order: `produce` (q_pre), `Sender`, `receive`, `Prefetcher` (q_hs) or, for the
+one process with a compiled target, `TargetAhead`. The route itself, with the one-process variants: ARCHITECTURE.md.
 
 A micro-batch crosses as a `Packet`: a small int64 header over the gloo control group (so the receiver learns
 the shapes on the CPU without a GPU sync), then the payload tensors over the data group (NCCL on GPU, gloo on

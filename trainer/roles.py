@@ -38,7 +38,7 @@ def eval_inputs(c, tok, stats: dict) -> dict:
     start-up (a bad row used to end the job at its first evaluation), and the dataset's thinking mode
     (data.prepare's stats.json), so the drafter is measured on prompts rendered as it was trained. tok: TARGET's
     tokenizer or None. -> {prompts, enable_thinking, path, tok}."""
-    path = Path(c.EVAL_PROMPTS or settings.REPO / "data" / "default" / "eval_broad.jsonl")
+    path = Path(c.EVAL_PROMPTS or settings.DEFAULT_EVAL_PROMPTS)
     thinking = stats.get("thinking")
     try:
         prompts = load_prompts(path)

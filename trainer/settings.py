@@ -20,6 +20,7 @@ from model.hub import HUB_ID, resolve_model_path
 from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_EVAL_PROMPTS = REPO / "data" / "default" / "eval_broad.jsonl"   # EVAL_PROMPTS="": ten categories of traffic
 
 # Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
 # Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
@@ -215,7 +216,7 @@ def check_config(c, world: int) -> None:
         errs.append(f"COMPILE_DRAFTER={c.COMPILE_DRAFTER!r}: allowed are {', '.join(COMPILE_MODES)}")
     if c.EVAL_DTYPE not in ("float32", "bfloat16"):
         errs.append(f"EVAL_DTYPE={c.EVAL_DTYPE!r}: allowed are float32, bfloat16")
-    if c.EVAL_EVERY and not Path(c.EVAL_PROMPTS or REPO / "data" / "default" / "eval_prompts.jsonl").exists():
+    if c.EVAL_EVERY and not Path(c.EVAL_PROMPTS or DEFAULT_EVAL_PROMPTS).exists():
         errs.append(f"EVAL_PROMPTS={c.EVAL_PROMPTS!r} does not exist (a JSONL of prompts, see eval_dflash.py)")
     if not Path(c.DATA).is_dir():
         errs.append(f"DATA={c.DATA} is not a folder: prepare one with `python -m data.prepare --tokenizer "
