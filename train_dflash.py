@@ -30,7 +30,7 @@ from model.drafter import Drafter, DrafterConfig
 from model.export import export_drafter
 from trainer import checkpoint as ckpt
 from trainer import settings
-from trainer.drafter_step import StepConfig, autocast_for, drafter_step, optimizer_step
+from trainer.drafter_step import StepConfig, StepSums, autocast_for, drafter_step, optimizer_step
 from trainer.optim import lr_at
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
 from trainer.roles import (Dist, build_drafter, choose_resume, drafter_config, load_data, load_target, resume,
@@ -290,7 +290,7 @@ def train(run):
     if run.watchdog:
         run.watchdog.collect.append(clock.poll)
     now = time.time()
-    meter = Meter(torch.zeros(8, device=d.device, dtype=torch.float64), now, now, run.step,
+    meter = Meter(StepSums.zeros(d.device), now, now, run.step,
                   split_reported=d.colocated)
     if d.is_master:
         log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")

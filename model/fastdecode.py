@@ -42,7 +42,7 @@ in the sin table); the drafter's q_norm and k_norm (one norm over its q and k he
 its context K/V (every layer's k and v projection one matmul of concatenated weights, k_norm and RoPE batched over
 layers, one cache write instead of ten) and the out= writes of the acceptance. The drafter folds GQA into its
 queries as the target does (2 copies a layer on the CPU; on CUDA it keeps fp32 off SDPA's math kernel where the
-efficient one refuses enable_gqa). Every cut is the same arithmetic per element (tests/test_fastdecode.py checks
+efficient one refuses enable_gqa). Every cut is the same arithmetic per element (tests/unit/test_fastdecode.py checks
 the drafter's pieces bit for bit on the CPU). The verify of B tokens runs the greedy step's kernels plus 2 per layer
 (the copies that fold GQA into q's rows and unfold o). So the speculative step is 1.32x a greedy step in kernels
 (was 1.37x), yet it measured 2.7x on an H200 (11.0 vs 4.1 ms): the rest must be the kernels' own time at 16 rows
@@ -277,7 +277,7 @@ class FastDecoder:
 class DraftState:
     """A Drafter with a static context cache (what model.drafter.DrafterCache holds, as rows indexed by position),
     its step re-wired for few kernels (Drafter.step's and Drafter.context_kv's maths, per element: checked against
-    them in tests/test_fastdecode.py), and the output buffer of its verify step, out [B + 1] = the target's argmax
+    them in tests/unit/test_fastdecode.py), and the output buffer of its verify step, out [B + 1] = the target's argmax
     ids of the block, then the accepted count. It copies the drafter's k/v projection and q/k norm weights
     (about 2 * kv_heads * head_dim * H values per layer): build it once the drafter's weights are final."""
 

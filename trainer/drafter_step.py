@@ -47,6 +47,11 @@ class StepSums(NamedTuple):
     objective: torch.Tensor     # sum w * CE under LOSS_WEIGHTING: what the gradients hold
     objective_w: torch.Tensor   # sum of those w: the step's normaliser
 
+    @classmethod
+    def zeros(cls, device) -> torch.Tensor:
+        """[fields] float64 zeros: the running sums of micro-batches' StepSums, stacked (the status line's meter)."""
+        return torch.zeros(len(cls._fields), device=device, dtype=torch.float64)
+
 
 def mask_lengths(cfg, device, flex, s: StepConfig):
     """The flex masks' fixed (Q_LEN, KV_LEN) on a GPU: max_anchors blocks against token_budget context rows, so

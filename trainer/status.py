@@ -73,7 +73,7 @@ def log_plan(d, c, given, data, sched, dcfg, step, total_steps, resume_path, ini
 @dataclass
 class Meter:
     """The status line's sums and counters since the last one."""
-    sums: torch.Tensor             # [8] float64: step.StepSums of the micro-batches since, stacked
+    sums: torch.Tensor             # [len(StepSums._fields)] float64: StepSums of the micro-batches since, stacked
     t_start: float
     t_log: float
     step_at_log: int

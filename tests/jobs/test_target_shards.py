@@ -1,5 +1,5 @@
 """TARGET_SHARDS: target replicas sharded over several target ranks with FSDP2 (model.target.load_sharded), on CPU
-with gloo. Real torchrun jobs on the tiny target of tests/runs.py: what the drafter receives equals the unsharded
+with gloo. Real torchrun jobs on the tiny target of tests/helpers/runs.py: what the drafter receives equals the unsharded
 target's features, training equals an unsharded job step for step, a stop and a resume continue exactly, a killed
 shard rank is named; then the refusals and the planner's terms, in-process."""
 import os

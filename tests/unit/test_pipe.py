@@ -16,7 +16,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Item:

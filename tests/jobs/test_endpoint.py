@@ -21,7 +21,7 @@ from server import serving, tiny_chat_model
 from test_openai_client import dead_url
 
 pytestmark = pytest.mark.job
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
 EOS = 151645          # <|im_end|>: the chat model's end of turn
 EOS_BOOST = 2.5       # the end-of-turn logit's lead (x the normed hidden's first dim): a turn ends after ~5 tokens
@@ -29,7 +29,7 @@ MIX = ROOT / "data" / "default" / "train_prompts.jsonl"
 
 
 def chatty_model(out: Path) -> Path:
-    """tests/server.py's tiny Qwen3 chat model made to end its turns: the decoder layer's output projections are
+    """tests/helpers/server.py's tiny Qwen3 chat model made to end its turns: the decoder layer's output projections are
     zeroed (the next token depends on the current one only) and every embedding row (tied: also the output row) gets
     a large first coordinate, the end-of-turn row a larger one, so the normed hidden state always points toward it.
     Sampled at temperature 1 it writes a few random tokens and ends the turn, as a chat model does."""
@@ -207,7 +207,7 @@ def test_regenerate_dead_server_is_named_and_nothing_is_lost(tmp_path, url, caps
 
 
 def stop_server(name: str, timeout=60):
-    """SIGTERM the tools.serve_openai process serving `name` and wait until it has exited (tests/server.py's
+    """SIGTERM the tools.serve_openai process serving `name` and wait until it has exited (tests/helpers/server.py's
     `serving` then finds it stopped, with its exit status 0)."""
     pid = next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and
                {b"tools.serve_openai", name.encode()} <= set(Path(d, "cmdline").read_bytes().split(b"\0")))

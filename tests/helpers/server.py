@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-QWEN3_TOKENIZER = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
 READY_TIMEOUT_S = 180     # loading torch + transformers on 2 busy cores
 
 

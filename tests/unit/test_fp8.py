@@ -14,7 +14,7 @@ from runs import base_args, cpu_rowwise_scaled_mm_missing, make_dataset, make_ta
 
 def needs_torchao():
     pytest.importorskip("torchao", reason="FP8 goes through torchao: pip install -r requirements-fp8.txt "
-                                          "(FP8=1 bash launch.sh; .ci/run installs it for tests/test_fp8.py)")
+                                          "(FP8=1 bash launch.sh; .ci/run installs it for tests/unit/test_fp8.py)")
 
 
 def test_fp8_needs_an_sm89_gpu(monkeypatch):

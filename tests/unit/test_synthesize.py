@@ -2,7 +2,7 @@
 rows of one uninterrupted run, its decisions are those of data.filters on the same rows, and on SmolLM2 it writes
 rows that data.prepare accepts. The mechanics run on a scripted engine (text drawn from (seed, key), no model) with
 the Qwen3 tokenizer fixture, a few seconds each; the SmolLM2 test runs model/engine.py on the real model (slow: about
-25 s on the CPU, `pytest -m slow tests/test_synthesize.py`)."""
+25 s on the CPU, `pytest -m slow tests/unit/test_synthesize.py`)."""
 import functools
 import hashlib
 import json
@@ -18,7 +18,7 @@ from data import filters as F
 from data import synthesize as syn
 from data.chat import render
 
-QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+QWEN3_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
 SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
 
 WORDS = ("apple river code stone light cloud music paper glass table window garden number letter planet engine "
@@ -628,7 +628,7 @@ def test_out_in_a_new_folder_and_bad_paths(tmp_path, qwen3_dir, model_dir, scrip
 
 CHILD = """
 import sys, time
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/unit")
 import test_synthesize as T
 from data import synthesize as syn
 draw = T.ScriptedEngine.draw
@@ -652,7 +652,7 @@ def test_stops_and_kills_resume_into_one_runs_files(tmp_path, qwen3_dir, scripte
     argv = ["--model", str(qwen3_dir), "--num", "60", "--out", str(out), "--prompt-tokens", "24",
             "--max-new-tokens", "16", "--batch-size", "4", "--mix", "data/default/train_prompts.jsonl",
             "--mix-ratio", "0.1"]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     before = None
     for sig in (signal.SIGINT, signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
         rows = len(read_jsonl(out)) if out.exists() else 0

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96
 MASK_ID = VOCAB - 1
 
@@ -99,7 +99,8 @@ def torchrun_cmd(nproc, args, port=None, extra=()) -> list[str]:
 
 def env():
     e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    # the repository and these helpers (a test file run as a torchrun script imports runs)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests" / "helpers"), e.get("PYTHONPATH", "")])
     return e
 
 

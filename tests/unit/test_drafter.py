@@ -146,7 +146,7 @@ def test_flex_path_equals_sdpa_path(build_drafter, tiny_qwen3_dir, pad_to):
 
 def load_zlab(tmp_path):
     if not ZLAB_REPO.exists():
-        pytest.skip(f"no z-lab mirror at {ZLAB_REPO} (tests/test_zlab_golden.py still compares with its "
+        pytest.skip(f"no z-lab mirror at {ZLAB_REPO} (tests/unit/test_zlab_golden.py still compares with its "
                     f"recorded output)")
     from tools.zlab_golden import load_reference, reference_source
     return load_reference(reference_source(ZLAB_REPO)[0], tmp_path)

@@ -1,6 +1,6 @@
 """data/openai_client.py without a model: URL handling, error sorting, backoff, the probe's choice of the model, and
 the pool's retries and failover, against small in-process HTTP stubs (the end-to-end runs through the project's
-real server are tests/test_endpoint.py)."""
+real server are tests/jobs/test_endpoint.py)."""
 import json
 import socket
 import threading
@@ -263,7 +263,7 @@ WORDS = ("apple river code stone light cloud music paper glass table window gard
 def qwen3_dir(tmp_path_factory):
     import lzma
     import shutil
-    fixture = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
     d = tmp_path_factory.mktemp("qwen3_tokenizer")
     (d / "tokenizer.json").write_bytes(lzma.open(fixture / "tokenizer.json.xz").read())
     shutil.copy(fixture / "tokenizer_config.json", d)

@@ -1,7 +1,7 @@
 """DRAFTER_SHARDING=fsdp (FSDP2 over the drafter ranks) against DDP: the same gradient after the global loss
 normalisation, the same loss curve and export, sharded checkpoints that resume exactly (also onto another number
 of drafter ranks, and to and from DDP checkpoints), and a killed shard rank named. Real torchrun jobs on CPU/gloo
-with the tiny target of tests/runs.py: 1 target rank + D drafter ranks.
+with the tiny target of tests/helpers/runs.py: 1 target rank + D drafter ranks.
 
 Runs that change the number of drafter ranks keep D * GRAD_ACCUM (micro-batches per optimizer step) fixed, so every
 step sees the same micro-batches and the same global loss weight whatever the split: their losses match the

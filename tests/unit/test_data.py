@@ -13,7 +13,7 @@ from data.chat import RowError, normalize_messages, render, tokenize_chat
 from data.merge import merge
 
 SMOLLM2 = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
-QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+QWEN3_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
 
 
 @pytest.fixture(scope="session")

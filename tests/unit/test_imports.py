@@ -3,7 +3,7 @@ project's modules import each other without a circle."""
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # ARCHITECTURE.md's picture, top to bottom
 TIERS = [
     ("train_dflash", "eval_dflash", "bench", "tools"),

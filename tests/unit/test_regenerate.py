@@ -16,7 +16,7 @@ from data import openai_client as oc
 from data import regenerate as regen
 from data.chat import RowError, normalize_messages
 
-QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_tokenizer"
+QWEN3_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
 
 
 def write_jsonl(path: Path, rows) -> Path:

@@ -2,8 +2,8 @@
 truncated / corrupted / missing checkpoints, a full disk, a hung and a frozen rank, bad rows in the dataset and
 impossible configuration. Each test asserts what the job does; docs/faults.md's table points here.
 
-Runs are real torchrun jobs on the tiny target of tests/runs.py (1 target + 2 drafter ranks, gloo, CPU). Faults
-inside a process come from tests/faults/sitecustomize.py, put on PYTHONPATH and switched on by FAULT_* variables
+Runs are real torchrun jobs on the tiny target of tests/helpers/runs.py (1 target + 2 drafter ranks, gloo, CPU). Faults
+inside a process come from tests/helpers/faults/sitecustomize.py, put on PYTHONPATH and switched on by FAULT_* variables
 (see its docstring). Kill points are drawn from a seeded generator, so a failure names a point that reproduces.
 `-m slow` runs the remaining kill points.
 """
@@ -25,7 +25,7 @@ import torch
 from trainer import checkpoint as ckpt
 import runs
 
-FAULTS = Path(__file__).resolve().parent / "faults"
+FAULTS = Path(__file__).resolve().parents[1] / "helpers" / "faults"
 RUN = dict(EPOCHS=2, SAVE_EVERY=2, KEEP_LAST=10)   # 10 micro-batches/epoch, 2 drafters => 10 steps, saves 2,4,..,10
 STEPS = 10
 SLOW_FORWARD = 0.15      # s per target forward while a kill is pending: ~0.3 s per step, so kill points spread out
@@ -65,7 +65,7 @@ def test_reference_run_ends_cleanly(reference_run):
 
 
 def set_faults(mp, **kw):
-    """FAULT_NAME=value for the runs started afterwards (tests/faults/sitecustomize.py on PYTHONPATH)."""
+    """FAULT_NAME=value for the runs started afterwards (tests/helpers/faults/sitecustomize.py on PYTHONPATH)."""
     if str(FAULTS) not in os.environ.get("PYTHONPATH", ""):
         mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
     for k in [k for k in os.environ if k.startswith("FAULT_")]:

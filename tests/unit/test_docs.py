@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
 MODULES = ("data.", "tools.", "bench.", "model.")                      # python -m these
 SCRIPTS = ("eval_dflash.py", "train_dflash.py", "launch.sh")            # launch.sh passes its flags to the trainer

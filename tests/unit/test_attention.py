@@ -172,7 +172,7 @@ def test_block_mask_falls_back_when_documents_interleave():
     got, want = block_mask(anchors, doc[anchors], doc, 4), block_mask_reference(anchors, doc[anchors], doc, 4)
     assert torch.equal(got.to_dense(), want.to_dense())
     # planned on the CPU for another device: every tensor the mask_mod reads travels with the mask ("meta" stands
-    # in for a GPU here; tests/test_flex_cuda.py runs the fallback on one)
+    # in for a GPU here; tests/gpu/test_flex_cuda.py runs the fallback on one)
     moved = block_mask(anchors, doc[anchors], doc, 4, device="meta")
     captured = [c.cell_contents for c in moved.mask_mod.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
     assert len(captured) >= 3 and all(t.device.type == "meta" for t in captured), [t.device for t in captured]

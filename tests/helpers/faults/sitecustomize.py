@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_faults.py, loaded by every process of a test run through PYTHONPATH.
+"""Fault injection for tests/jobs/test_faults.py, loaded by every process of a test run through PYTHONPATH.
 
 Inert unless one of these environment variables is set (the test sets them; torchrun passes them to the ranks):
 

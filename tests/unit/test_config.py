@@ -153,7 +153,7 @@ def test_init_from_a_target_folder_says_it_is_not_a_drafter(tiny_qwen3_dir):
 
 def test_configuration_page_documents_every_constant():
     from pathlib import Path
-    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     missing = [k for k in td.CONFIG_KEYS if f"| `{k}` |" not in page]
     assert not missing, f"docs/configuration.md's table lacks {missing}"
 

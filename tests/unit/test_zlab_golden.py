@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from model.drafter import DrafterCache
 from model.export import export_drafter, load_drafter
 
-FIXTURE = Path(__file__).parent / "fixtures" / "zlab_golden"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "zlab_golden"
 
 
 @pytest.fixture(scope="module")

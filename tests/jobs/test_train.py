@@ -1,5 +1,5 @@
 """The trainer end to end on CPU: gloo transport, DDP drafters, resume, refusals. Each run is a real torchrun job
-with a tiny target (tests/runs.py)."""
+with a tiny target (tests/helpers/runs.py)."""
 import json
 import os
 import shutil
