@@ -185,3 +185,11 @@ def finish(proc, timeout) -> tuple[int | None, str, float]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, head + out, time.time() - t
+
+
+def trainer_cfg(**kw) -> dict:
+    """train_dflash's constants as the trainer would pass them, plus overrides."""
+    import train_dflash as td
+    cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
+    cfg.update(kw)
+    return cfg

@@ -7,6 +7,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -93,3 +94,12 @@ def post(url, path, body, timeout=300):
     """body: a dict (sent as JSON) or raw bytes -> (HTTP status, JSON body)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return _call(urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"}), timeout)
+
+
+def dead_url():
+    """A port nothing listens on."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"

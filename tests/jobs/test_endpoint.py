@@ -17,8 +17,7 @@ import pytest
 from data import openai_client as oc
 from data import regenerate as regen
 from data import synthesize as syn
-from server import serving, tiny_chat_model
-from test_openai_client import dead_url
+from server import dead_url, serving, tiny_chat_model
 
 pytestmark = pytest.mark.job
 ROOT = Path(__file__).resolve().parents[2]

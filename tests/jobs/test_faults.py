@@ -702,7 +702,7 @@ def test_out_dir_lock_refuses_a_second_holder_and_survives_a_dead_one(tmp_path):
 
 def hold_lock(out):
     """A process holding OUT_DIR's lock, as a running job does."""
-    p = subprocess.Popen([runs.sys.executable, "-c", "import time, checkpoint; "
+    p = subprocess.Popen([runs.sys.executable, "-c", "import time; from trainer import checkpoint; "
                           f"checkpoint.lock_out_dir({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
                          cwd=runs.REPO, env=runs.env(), stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"

@@ -12,9 +12,9 @@ import torch
 
 from trainer import planner
 import runs
+from runs import trainer_cfg
 import train_dflash as td
 from test_faults import Job, set_faults
-from test_planner import trainer_cfg
 
 STEPS = 5    # odd, with 2 target ranks: rank 0 makes 3 micro-batches, rank 1 two and a one-token forward with rank 0
 TAPS = "1,3"   # 3 is the last layer: its tap is the decoder's normed output, which a sharded norm must give too

@@ -148,7 +148,7 @@ def test_the_kernel_compiles_for_an_h200_on_a_cpu(dtype):
 
 @pytest.mark.job
 def test_kernel_matches_eager_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.getcwd(), "tests/helpers"]))
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 

@@ -38,7 +38,8 @@ def cfg(tiny_llama_dir, tmp_path, monkeypatch):
 def test_every_numeric_constant_has_a_range():
     numeric = [k for k in td.CONFIG_KEYS if isinstance(getattr(td, k), (int, float))
                and not isinstance(getattr(td, k), bool)]
-    assert sorted(set(numeric) - set(settings.RANGES)) == [], "add the new constant's allowed range to RANGES"
+    assert sorted(set(numeric) - set(settings.RANGES)) == [], \
+        "open the new constant's comment with its allowed range, [>= N] or [> N]"
     assert all(settings.RANGES[k][0] <= getattr(td, k) for k in numeric), "a default outside its own range"
 
 
@@ -151,11 +152,25 @@ def test_init_from_a_target_folder_says_it_is_not_a_drafter(tiny_qwen3_dir):
         settings.check_init_from(c, dcfg)
 
 
-def test_configuration_page_documents_every_constant():
+def test_configuration_page_documents_every_constant_with_its_default():
+    """docs/configuration.md explains each constant; its default is the one written beside the constant."""
+    import re
     from pathlib import Path
     page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     missing = [k for k in td.CONFIG_KEYS if f"| `{k}` |" not in page]
     assert not missing, f"docs/configuration.md's table lacks {missing}"
+    shown = {m[1]: m[2] for m in re.finditer(r"^\| `([A-Z_0-9]+)` \| `([^`]*)` \|", page, re.M)}
+    stale = [(k, shown.get(k), v) for kind, k, v, *_ in
+             (x for x in settings.constant_lines(td.REPO / "train_dflash.py") if x[0] == "constant") if shown.get(k) != v]
+    assert not stale, f"docs/configuration.md's defaults differ from train_dflash.py's (name, page, code): {stale}"
+
+
+def test_a_range_is_read_from_the_constants_comment(tmp_path):
+    src = tmp_path / "prog.py"
+    src.write_text("# --- s ---\nA = 1   # [>= 1] things\nB = 0.5   # [> 0] seconds\nC = 2   # no range\n"
+                   "CONFIG_KEYS = []\n")
+    assert settings.ranges_of(src) == {"A": (1, False), "B": (0, True)}
+    assert "  --B=0.5" in settings.help_text(src) and "[> 0] seconds" in settings.help_text(src)
 
 
 def test_a_hub_id_target_resolves_from_the_local_cache(tmp_path, monkeypatch):

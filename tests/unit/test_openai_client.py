@@ -2,7 +2,6 @@
 the pool's retries and failover, against small in-process HTTP stubs (the end-to-end runs through the project's
 real server are tests/jobs/test_endpoint.py)."""
 import json
-import socket
 import threading
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from data import openai_client as oc
+from server import dead_url
 
 
 @pytest.fixture(autouse=True)
@@ -86,15 +86,6 @@ def stubs():
     yield make
     for s in made:
         s.stop()
-
-
-def dead_url():
-    """A port nothing listens on."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
 
 
 def test_base_url_and_backoff():

@@ -10,16 +10,9 @@ import torch
 import train_dflash as td
 from bench import bench_dflash as bd
 from trainer import planner
-from runs import REPO, env, free_port
+from runs import REPO, env, free_port, trainer_cfg
 
 GiB = 2 ** 30
-
-
-def trainer_cfg(**kw):
-    """train_dflash's constants as the trainer would pass them, plus overrides."""
-    cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
-    cfg.update(kw)
-    return cfg
 
 
 def bench_cfg(**kw):

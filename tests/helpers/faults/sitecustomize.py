@@ -17,7 +17,7 @@ Inert unless one of these environment variables is set (the test sets them; torc
     FAULT_SLOW_EVAL=S         each eval_dflash.evaluate call sleeps S seconds first (a long in-training evaluation)
 
 Every injection prints one line starting with "FAULT:" so a test can wait for it. The patches attach when the
-trainer imports the module concerned (model.target, checkpoint, pipe), so nothing heavy is imported here.
+trainer imports the module concerned (model.target, trainer.checkpoint, trainer.pipe), so nothing heavy is imported here.
 """
 import errno
 import importlib.abc
@@ -128,7 +128,7 @@ def _patch_eval(mod) -> None:
         mod.evaluate = evaluate
 
 
-_PATCHES = {"model.target": _patch_target, "checkpoint": _patch_checkpoint, "pipe": _patch_pipe,
+_PATCHES = {"model.target": _patch_target, "trainer.checkpoint": _patch_checkpoint, "trainer.pipe": _patch_pipe,
             "data.batching": _patch_batching, "eval_dflash": _patch_eval}
 
 
