@@ -39,6 +39,8 @@ from trainer.status import Metrics, Meter, check_trackers, log, log_peak_memory,
 from trainer.watchdog import Watchdog, fail, finish, on_signals
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
+# Every setting is one constant below: its default, then its comment, written once: a number's allowed range first
+# ([>= N] or [> N], which trainer/settings.py checks), then units and allowed values (which --help prints).
 
 # --- what to train --------------------------------------------------------------------------------------------------
 TARGET = ""                 # local HF folder of the frozen target; "" = SmolLM2-135M-Instruct (python -m tools.smollm2)
@@ -46,44 +48,45 @@ DATA = ""                   # prepared dataset folder (python -m data.prepare); 
 OUT_DIR = "runs/dflash"     # checkpoints/, metrics.jsonl, run.json (launch.sh adds train.log)
 INIT_FROM = ""              # exported drafter folder (serving format, e.g. runs/x/checkpoints/step_N/drafter) to start
 #                             from; "" = random init. A fresh run (step 0, new optimizer); a checkpoint to resume wins
-NUM_DRAFT_LAYERS = 5        # L, drafter decoder layers
+NUM_DRAFT_LAYERS = 5        # [>= 1] L, drafter decoder layers
 TARGET_LAYER_IDS = ""       # comma list of target layers to tap, e.g. "1,9,17,25,33"; "" = spread NUM_TAPS evenly
-NUM_TAPS = 0                # K when TARGET_LAYER_IDS is "": 0 = NUM_DRAFT_LAYERS
-BLOCK_SIZE = 16             # B, tokens per block: the anchor + B-1 drafted
-MASK_TOKEN_ID = -1          # -1 = first unused id past the tokenizer (or an unused special token)
-SLIDING_WINDOW_LAYERS = 0   # last S drafter layers use sliding-window attention (causal inside the block)
-SLIDING_WINDOW = 0          # their window in tokens; 0 = the target's config value
+NUM_TAPS = 0                # [>= 0] K when TARGET_LAYER_IDS is "": 0 = NUM_DRAFT_LAYERS
+BLOCK_SIZE = 16             # [>= 2] B, tokens per block: the anchor + B-1 drafted
+MASK_TOKEN_ID = -1          # [>= -1] -1 = first unused id past the tokenizer (or an unused special token)
+SLIDING_WINDOW_LAYERS = 0   # [>= 0] last S drafter layers use sliding-window attention (causal inside the block)
+SLIDING_WINDOW = 0          # [>= 0] their window in tokens; 0 = the target's config value
 
 # --- objective ------------------------------------------------------------------------------------------------------
-MAX_ANCHORS = 2048          # blocks per micro-batch (anchors sampled without replacement, fresh every step); 125 per
-                            # 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md: anchor density at equal GPU time).
-                            # SpecForge's num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch
-MIN_ANCHORS_PER_DOC = 1     # floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
-GAMMA = 7.0                 # LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
+MAX_ANCHORS = 2048          # [>= 1] blocks per micro-batch (anchors sampled without replacement, fresh every step);
+                            # 125 per 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md: anchor density at equal GPU
+                            # time). SpecForge's num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch
+MIN_ANCHORS_PER_DOC = 1     # [>= 0] floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
+GAMMA = 7.0                 # [> 0] LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
 LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md)
                             # | exp (exp(-(k-1)/GAMMA), the paper's)
-DPACE_ALPHA = 0.5           # D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
-NOISE = 0.0                 # uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
-CE_CHUNK = 4096             # rows of [rows, vocab] logits alive at once in the loss (0 = unchunked, tests only)
+DPACE_ALPHA = 0.5           # [>= 0] D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
+NOISE = 0.0                 # [>= 0] uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
+CE_CHUNK = 4096             # [>= 0] rows of [rows, vocab] logits alive at once in the loss (0 = unchunked, tests only)
 
 # --- data -----------------------------------------------------------------------------------------------------------
-TOKEN_BUDGET = 16384        # tokens per micro-batch, padding included (target forward is [b, S] padded)
-MAX_BATCH_SIZE = 64         # sequences per micro-batch
-EPOCHS = 6                  # passes over the data (when MAX_STEPS is 0)
+TOKEN_BUDGET = 16384        # [>= 2] tokens per micro-batch, padding included (target forward is [b, S] padded)
+MAX_BATCH_SIZE = 64         # [>= 1] sequences per micro-batch
+EPOCHS = 6                  # [>= 1] passes over the data (when MAX_STEPS is 0)
 ALLOW_DATA_CHANGE = False   # resume even if the dataset changed (the LR schedule is re-planned over the new total)
 
 # --- optimisation ---------------------------------------------------------------------------------------------------
-GRAD_ACCUM = 1              # micro-batches per drafter rank per optimizer step
-LR = 6e-4                   # peak learning rate (AdamW, fp32 master weights)
-WARMUP_RATIO = 0.04         # fraction of the run spent in linear warmup, then cosine to 0
-WEIGHT_DECAY = 0.0          # AdamW weight decay (0.0 - 0.01)
-GRAD_CLIP = 1.0             # max global grad norm
-MAX_STEPS = 0               # optimizer steps of the run, repeating the data as needed (EPOCHS is then unused); 0 =
-                            # EPOCHS over the data. The LR schedule spans the run
+GRAD_ACCUM = 1              # [>= 1] micro-batches per drafter rank per optimizer step
+LR = 6e-4                   # [> 0] peak learning rate (AdamW, fp32 master weights)
+WARMUP_RATIO = 0.04         # [>= 0] fraction of the run spent in linear warmup, then cosine to 0
+WEIGHT_DECAY = 0.0          # [>= 0] AdamW weight decay (0.0 - 0.01)
+GRAD_CLIP = 1.0             # [> 0] max global grad norm
+MAX_STEPS = 0               # [>= 0] optimizer steps of the run, repeating the data as needed (EPOCHS is then
+                            # unused); 0 = EPOCHS over the data. The LR schedule spans the run
 
 # --- topology and hardware --------------------------------------------------------------------------------------------
-TARGET_RANKS = 1            # the first TARGET_RANKS ranks run the target, the rest train the drafter
-TARGET_SHARDS = 1           # target ranks per replica: each holds 1/N of the target (FSDP2); divides TARGET_RANKS
+TARGET_RANKS = 1            # [>= 1] the first TARGET_RANKS ranks run the target, the rest train the drafter
+TARGET_SHARDS = 1           # [>= 1] target ranks per replica: each holds 1/N of the target (FSDP2); divides
+                            # TARGET_RANKS
 DEVICE = "auto"             # auto | cuda | cpu
 DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
@@ -98,29 +101,32 @@ HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradie
 DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
 FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
 OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (trainer/optim.py)
-Q_PREFETCH = 4              # q_pre: padded batches a target rank prepares ahead
-Q_HS = 8                    # q_hs: received micro-batches a drafter rank holds ahead of compute
-SEND_DEPTH = 2              # feature tensors a target rank may have in flight
+Q_PREFETCH = 4              # [>= 1] q_pre: padded batches a target rank prepares ahead
+Q_HS = 8                    # [>= 1] q_hs: received micro-batches a drafter rank holds ahead of compute
+SEND_DEPTH = 2              # [>= 1] feature tensors a target rank may have in flight
 
 # --- checkpoints, logging, failure ------------------------------------------------------------------------------------
-SAVE_EVERY = 500            # optimizer steps between checkpoints (also saved at the end and on SIGTERM/SIGINT)
-KEEP_LAST = 3               # checkpoints kept
+SAVE_EVERY = 500            # [>= 1] optimizer steps between checkpoints (also saved at the end and on SIGTERM/SIGINT)
+KEEP_LAST = 3               # [>= 0] checkpoints kept
 RESUME = "auto"             # auto (newest complete checkpoint in OUT_DIR, else start) | scratch | <checkpoint path>
-SEED = 0                    # drafter init, anchor sampling and noise (per micro-batch, so resume is exact)
-LOG_EVERY = 10              # optimizer steps between status lines
-LOG_SECONDS = 60.0          # ... or at most this many seconds
-HEARTBEAT_TIMEOUT = 30.0    # s without a heartbeat before a rank is declared dead
-STALL_TIMEOUT = 600.0       # s without progress on any rank (after start-up) before the job is ended
-EVAL_EVERY = 0              # run the tau evaluation on every N-th checkpoint (0 = off); on the master drafter rank
+SEED = 0                    # [>= 0] drafter init, anchor sampling and noise (per micro-batch, so resume is exact)
+LOG_EVERY = 10              # [>= 1] optimizer steps between status lines
+LOG_SECONDS = 60.0          # [> 0] ... or at most this many seconds
+HEARTBEAT_TIMEOUT = 30.0    # [> 0] s without a heartbeat before a rank is declared dead
+STALL_TIMEOUT = 600.0       # [> 0] s without progress on any rank (after start-up) before the job is ended
+EVAL_EVERY = 0              # [>= 0] run the tau evaluation on every N-th checkpoint (0 = off); on the master
+                            # drafter rank
 EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_broad.jsonl, ten categories of traffic)
-EVAL_LIMIT = 20             # prompts per evaluation, dealt over the categories (20 = 2 of each of the broad set's 10)
-EVAL_MAX_NEW_TOKENS = 128   # tokens generated per prompt
+EVAL_LIMIT = 20             # [>= 1] prompts per evaluation, dealt over the categories (20 = 2 of each of the broad
+                            # set's 10)
+EVAL_MAX_NEW_TOKENS = 128   # [>= 1] tokens generated per prompt
 EVAL_DTYPE = "float32"      # target dtype for it: float32 keeps the losslessness check exact (bf16 block vs
 #                             one-token forwards round differently, which can flip near-tied greedy tokens)
 TENSORBOARD = False         # also log to OUT_DIR/tb
 WANDB_PROJECT = ""          # also log to this W&B project ("" = off)
 DRY_RUN = False             # check the config and data, print the plan, exit before loading any model
-DUMP_BATCHES = 0            # drafters save the first N received micro-batches to OUT_DIR/dump/ (debugging, tests)
+DUMP_BATCHES = 0            # [>= 0] drafters save the first N received micro-batches to OUT_DIR/dump/ (debugging,
+                            # tests)
 
 CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_") and k not in _IMPORTED]
 REPO = Path(__file__).resolve().parent

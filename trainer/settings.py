@@ -6,6 +6,7 @@ import ast
 import difflib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,23 +23,7 @@ from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_EVAL_PROMPTS = REPO / "data" / "default" / "eval_broad.jsonl"   # EVAL_PROMPTS="": ten categories of traffic
 
-# Allowed range of every numeric constant: name -> (bound, strict). strict: value > bound, else value >= bound.
-# Floats must also be finite. check_config enforces it (tests check that every numeric constant is listed).
-RANGES = {
-    "NUM_DRAFT_LAYERS": (1, False), "NUM_TAPS": (0, False), "BLOCK_SIZE": (2, False), "MASK_TOKEN_ID": (-1, False),
-    "SLIDING_WINDOW_LAYERS": (0, False), "SLIDING_WINDOW": (0, False),
-    "MAX_ANCHORS": (1, False), "MIN_ANCHORS_PER_DOC": (0, False), "GAMMA": (0, True), "DPACE_ALPHA": (0, False),
-    "NOISE": (0, False),
-    "CE_CHUNK": (0, False),
-    "TOKEN_BUDGET": (2, False), "MAX_BATCH_SIZE": (1, False), "EPOCHS": (1, False),
-    "GRAD_ACCUM": (1, False), "LR": (0, True), "WARMUP_RATIO": (0, False), "WEIGHT_DECAY": (0, False),
-    "GRAD_CLIP": (0, True), "MAX_STEPS": (0, False),
-    "TARGET_RANKS": (1, False), "TARGET_SHARDS": (1, False), "Q_PREFETCH": (1, False), "Q_HS": (1, False),
-    "SEND_DEPTH": (1, False),
-    "SAVE_EVERY": (1, False), "KEEP_LAST": (0, False), "SEED": (0, False), "LOG_EVERY": (1, False),
-    "LOG_SECONDS": (0, True), "HEARTBEAT_TIMEOUT": (0, True), "STALL_TIMEOUT": (0, True), "EVAL_EVERY": (0, False),
-    "EVAL_LIMIT": (1, False), "EVAL_MAX_NEW_TOKENS": (1, False), "DUMP_BATCHES": (0, False),
-}
+RANGE_TAG = re.compile(r"^\[(>=|>) (-?[0-9.e+-]+)\] ")   # a constant's comment opening with its allowed range
 
 
 
@@ -84,28 +69,55 @@ def parse_overrides(argv: list[str], defaults: dict, source: Path) -> tuple[dict
     return c, given
 
 
-def help_text(source: Path) -> str:
-    """The constants block of `source` (from its first `# --- section` to CONFIG_KEYS) as --help: each section, each
-    constant as --NAME=default with its comment (units, allowed values), continuation comments below it."""
+def constant_lines(source: Path):
+    """The constants block of `source` (from its first `# --- section` to CONFIG_KEYS), line by line: ("section",
+    title, ""), ("constant", NAME, default text, comment) or ("more", comment) for a comment continuing the one above."""
     text = Path(source).read_text()
     lines = text.splitlines()
     values = {n.lineno: (n.targets[0].id, lines[n.lineno - 1][n.value.col_offset:n.value.end_col_offset])
               for n in ast.parse(text).body if isinstance(n, ast.Assign) and len(n.targets) == 1
               and isinstance(n.targets[0], ast.Name) and n.targets[0].id.isupper()}
     first = next(i for i, l in enumerate(lines) if l.startswith("# --- "))
-    out = [f"usage: python {Path(source).name} [--NAME=VALUE ...]   (or torchrun ... {Path(source).name} ...)",
-           "Every constant below can be set as --NAME=VALUE; the default is shown."]
     for i, line in enumerate(lines[first:], first + 1):
         if line.startswith("CONFIG_KEYS"):
             break
         if line.startswith("# --- "):
-            out += ["", line.strip("# -") + ":"]
+            yield "section", line.strip("# -"), ""
         elif i in values:
             name, value = values[i]
             comment = line.split("#", 1)[1].strip() if "#" in line[len(name) + 3 + len(value):] else ""
-            out.append(f"  --{name}={value}".ljust(34) + " " + comment)
-        elif line.strip().startswith("#") and out:
-            out.append(" " * 35 + line.strip().lstrip("#").strip())
+            yield "constant", name, value, comment
+        elif line.strip().startswith("#"):
+            yield "more", line.strip().lstrip("#").strip()
+
+
+def ranges_of(source: Path) -> dict[str, tuple[float, bool]]:
+    """{NAME: (bound, strict)} for every constant of `source` whose comment opens with its range: [>= N] (value >= N)
+    or [> N] (value > N, strict). check_config enforces them, with finiteness for floats."""
+    out = {}
+    for kind, *rest in constant_lines(source):
+        if kind == "constant" and (m := RANGE_TAG.match(rest[2])):
+            out[rest[0]] = (float(m.group(2)) if "." in m.group(2) or "e" in m.group(2) else int(m.group(2)),
+                            m.group(1) == ">")
+    return out
+
+
+RANGES = ranges_of(REPO / "train_dflash.py")   # {NAME: (bound, strict)}, read from the constants' comments
+
+
+def help_text(source: Path) -> str:
+    """The constants block of `source` as --help: each section, each constant as --NAME=default with its comment
+    (its range, units, allowed values), continuation comments below it."""
+    name = Path(source).name
+    out = [f"usage: python {name} [--NAME=VALUE ...]   (or torchrun ... {name} ...)",
+           "Every constant below can be set as --NAME=VALUE; the default is shown."]
+    for kind, *rest in constant_lines(source):
+        if kind == "section":
+            out += ["", rest[0] + ":"]
+        elif kind == "constant":
+            out.append(f"  --{rest[0]}={rest[1]}".ljust(34) + " " + rest[2])
+        elif out:
+            out.append(" " * 35 + rest[0])
     return "\n".join(out)
 
 
