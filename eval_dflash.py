@@ -225,15 +225,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         device = torch.device("cuda", torch.cuda.current_device())
     assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
     proposers = [d if hasattr(d, "propose") else DrafterProposer(d, model) for d in drafters]
-    assert method in METHODS, f"method {method!r} is not one of {METHODS}"
-    if method in ("walk", "fast") and not all(isinstance(p, DrafterProposer) for p in proposers):
-        raise ValueError(f"--method {method} runs the Drafter itself: it needs Drafters, not other proposers")
-    if method == "fast" and tree_budget:
-        raise ValueError("--method fast verifies blocks only: drop --tree-budget, or use --method decode for DDTree")
+    check_method(method, proposers, tree_budget, model)
     block_sizes = [block_size or p.drafter.config.block_size for p in proposers]
-    if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
-                         f"'eager' (it has {model.config._attn_implementation!r})")
     eos = eos_ids(model, tokenizer)
     log = log or (lambda *_: None)
     reference = {} if reference is None else reference
@@ -250,17 +243,14 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         return reference[key]
     for row in prompts:
         ids = encode_prompt(tokenizer, row, enable_thinking, answer)
-        need = len(ids) + max_new_tokens + B - 1
-        if need > limit:
-            msg = (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
-                   f"{B} it needs {need} positions, the target has max_position_embeddings={limit}")
-            if on_too_long != "skip":
-                raise PromptTooLong(msg + "; shorten it, lower --max-new-tokens, or pass --skip-long")
-            if k == 0:
-                log(f"warning: skipped {msg}")
-            skipped.append(row["id"])
+        if (msg := too_long(row, ids, max_new_tokens, B, limit)) is None:
+            items.append((row, ids))
             continue
-        items.append((row, ids))
+        if on_too_long != "skip":
+            raise PromptTooLong(msg + "; shorten it, lower --max-new-tokens, or pass --skip-long")
+        if k == 0:
+            log(f"warning: skipped {msg}")
+        skipped.append(row["id"])
     assert items, "no prompts to evaluate"
     items = items[k::n_shards]
 
@@ -280,18 +270,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
                 for pp, p, bs in zip(per, proposers, block_sizes)]
 
     modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
-    if method == "fast":
-        fast = fast_decoder(model, [ids for _, ids in items], max_new_tokens, max(block_sizes), cuda_graphs,
-                            attention)
-        states = [fast.drafter(p.drafter, bs) for p, bs in zip(proposers, block_sizes)]
-        greedy = lambda ids, m: fast.greedy(ids, m, eos)                                       # noqa: E731
-        spec = lambda j, ids, m, budget: fast.speculative(ids, states[j], m, eos)              # noqa: E731
-        warm = range(len(proposers))                  # each drafter's step is its own CUDA graph, captured here
-    else:
-        greedy = lambda ids, m: greedy_decode(model, ids, m, eos)                              # noqa: E731
-        spec = lambda j, ids, m, budget: speculative_decode(model, ids, proposers[j], block_sizes[j], m,  # noqa: E731
-                                                            eos, budget, tree_top_k)
-        warm = range(1)
+    greedy, spec, warm, fast = decoders(method, model, proposers, block_sizes, [ids for _, ids in items],
+                                        max_new_tokens, eos, tree_top_k, cuda_graphs, attention)
     if items:                                                      # untimed warm-up of every code path
         ids0 = items[0][1]
         greedy(ids0, WARMUP_TOKENS)
@@ -304,40 +284,96 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         who = f"drafter {j + 1}/{len(proposers)} " if len(proposers) > 1 else ""
         per_prompt = []
         for n, (row, ids) in enumerate(items, 1):
-            key = (method, tuple(ids), max_new_tokens)            # fast's greedy is its own baseline
-            if key not in reference:
-                sync_device(device)
-                t0 = time.perf_counter()
-                want = greedy(ids, max_new_tokens)
-                sync_device(device)
-                reference[key] = (want, time.perf_counter() - t0)
-            want, secs = reference[key]
+            want, secs = timed_reference(reference, (method, tuple(ids), max_new_tokens), greedy, ids, device)
             r = {"id": row["id"], "category": row.get("category", "all"), "prompt_tokens": len(ids),
                  "seconds": {"greedy": secs}, "gen_tokens": {"greedy": len(want)}}
-            for mode, budget in modes.items():
-                sync_device(device)
-                t0 = time.perf_counter()
-                got = spec(j, ids, max_new_tokens, budget)
-                sync_device(device)
-                r["seconds"][mode] = time.perf_counter() - t0
-                r["gen_tokens"][mode] = len(got["tokens"])
-                pre = "" if mode == "dflash" else "tree_"
-                r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
-                      f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
-                if mode == "dflash":
-                    r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
-                    if tokenizer is not None:
-                        r["text"] = tokenizer.decode(got["tokens"])
-            r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+            r |= time_modes(lambda m, budget: spec(j, ids, m, budget), modes, want, max_new_tokens, device, tokenizer,
+                            r["seconds"], r["gen_tokens"])
             if isinstance(proposer, DrafterProposer):
                 r["tf_streak"] = teacher_forced_streak(model, proposer, ids, want, bs)
             per_prompt.append(r)
-            tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
-            bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
-            log(f"{who}[{n}/{len(items)}] {r['id']} prompt={len(ids)} new={r['new_tokens']} steps={len(r['steps'])} "
-                f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+            log(prompt_line(f"{who}[{n}/{len(items)}]", r, len(ids), tree_budget))
         results.append(summarize(per_prompt, skipped, config(proposer, bs)))
     return results
+
+
+def check_method(method, proposers, tree_budget, model) -> None:
+    """What each method needs: walk and fast run Drafters themselves, fast verifies blocks only, DDTree's 4D mask
+    needs an sdpa or eager target."""
+    assert method in METHODS, f"method {method!r} is not one of {METHODS}"
+    if method in ("walk", "fast") and not all(isinstance(p, DrafterProposer) for p in proposers):
+        raise ValueError(f"--method {method} runs the Drafter itself: it needs Drafters, not other proposers")
+    if method == "fast" and tree_budget:
+        raise ValueError("--method fast verifies blocks only: drop --tree-budget, or use --method decode for DDTree")
+    if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
+                         f"'eager' (it has {model.config._attn_implementation!r})")
+
+
+def timed_reference(reference, key, greedy, ids, device) -> tuple[list[int], float]:
+    """The greedy reference of a prompt and its decode time, made once per key (method, prompt, max_new_tokens:
+    fast's greedy is its own baseline) and kept in `reference` across drafters and calls."""
+    if key not in reference:
+        sync_device(device)
+        t0 = time.perf_counter()
+        want = greedy(ids, key[2])
+        sync_device(device)
+        reference[key] = (want, time.perf_counter() - t0)
+    return reference[key]
+
+
+def prompt_line(head, r, prompt_len, tree_budget) -> str:
+    """The per-prompt log line."""
+    tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
+    bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
+    return (f"{head} {r['id']} prompt={prompt_len} new={r['new_tokens']} steps={len(r['steps'])} "
+            f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+
+
+def decoders(method, model, proposers, block_sizes, prompts_ids, max_new_tokens, eos, tree_top_k, cuda_graphs,
+             attention):
+    """The decode functions `method` times: greedy(ids, m) and spec(j, ids, m, tree_budget) for drafter j, the drafters
+    to warm up (fast: each drafter's step is its own CUDA graph, captured then) and the FastDecoder (else None)."""
+    if method == "fast":
+        fast = fast_decoder(model, prompts_ids, max_new_tokens, max(block_sizes), cuda_graphs, attention)
+        states = [fast.drafter(p.drafter, bs) for p, bs in zip(proposers, block_sizes)]
+        return (lambda ids, m: fast.greedy(ids, m, eos), lambda j, ids, m, budget: fast.speculative(
+            ids, states[j], m, eos), range(len(proposers)), fast)
+    return (lambda ids, m: greedy_decode(model, ids, m, eos), lambda j, ids, m, budget: speculative_decode(
+        model, ids, proposers[j], block_sizes[j], m, eos, budget, tree_top_k), range(1), None)
+
+
+def too_long(row, ids, max_new_tokens, block_size, limit) -> str | None:
+    """Why a prompt cannot be decoded within the target's max_position_embeddings (`limit`), or None: the last
+    block drafts up to block_size - 1 positions past the last token."""
+    need = len(ids) + max_new_tokens + block_size - 1
+    if need <= limit:
+        return None
+    return (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
+            f"{block_size} it needs {need} positions, the target has max_position_embeddings={limit}")
+
+
+def time_modes(spec, modes, want, max_new_tokens, device, tokenizer, seconds, gen_tokens) -> dict:
+    """One prompt decoded by each mode (dflash: blocks; ddtree: the tree, its budget), each timed alone; want: the
+    greedy reference. Fills seconds and gen_tokens per mode; -> the per-prompt result's tau, steps, mismatch
+    (tree_ for the tree), the tokens and text, and lossless."""
+    r = {}
+    for mode, budget in modes.items():
+        sync_device(device)
+        t0 = time.perf_counter()
+        got = spec(max_new_tokens, budget)
+        sync_device(device)
+        seconds[mode] = time.perf_counter() - t0
+        gen_tokens[mode] = len(got["tokens"])
+        pre = "" if mode == "dflash" else "tree_"
+        r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
+              f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
+        if mode == "dflash":
+            r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
+            if tokenizer is not None:
+                r["text"] = tokenizer.decode(got["tokens"])
+    r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+    return r
 
 
 def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs, attention="sdpa") -> FastDecoder:
