@@ -395,9 +395,10 @@ def stop_requested(run) -> bool:
 
 
 def save_checkpoint(run):
-    """The master's checkpoint after run.step (trainer/checkpoint.py's schema); every EVAL_EVERY-th one is evaluated just
-    before it is written, so its export's model card carries that tau. DRAFTER_SHARDING=fsdp: every drafter rank calls it, writes its shard into the master's folder
-    (checkpoint.save_shards) and takes part in gathering the whole drafter for the serving export."""
+    """The master's checkpoint after run.step (trainer/checkpoint.py's schema); every EVAL_EVERY-th one is evaluated
+    just before it is written, so its export's model card carries that tau. DRAFTER_SHARDING=fsdp: every drafter
+    rank calls it, writes its shard into the master's folder (checkpoint.save_shards) and takes part in gathering the
+    whole drafter for the serving export."""
     d = run.d
     if run.watchdog:
         run.watchdog.state = f"saving checkpoint step {run.step}"

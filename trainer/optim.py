@@ -28,15 +28,13 @@ def lr_at(g, planned_g, peak_lr, warmup_ratio) -> float:
 
 
 def param_chunks(drafter) -> list[list[torch.nn.Parameter]]:
-    """The drafter's parameters in the order its forward first reads them: [fc, hidden_norm], each layer, [norm].
-    Every trainable parameter exactly once (asserted)."""
-    chunks = [list(drafter.fc.parameters()) + list(drafter.hidden_norm.parameters())]
-    chunks += [list(layer.parameters()) for layer in drafter.layers]
-    chunks.append(list(drafter.norm.parameters()))
+    """The drafter's parameters in the order its forward first reads them (its own param_chunks). Every trainable
+    parameter exactly once (asserted)."""
+    chunks = drafter.param_chunks()
     listed = [p for c in chunks for p in c]
     every = [p for p in drafter.parameters() if p.requires_grad]
     assert len(listed) == len(every) and {id(p) for p in listed} == {id(p) for p in every}, \
-        "param_chunks does not cover the drafter's parameters: update it with the drafter's modules"
+        "the drafter's param_chunks do not cover its parameters: update it with the drafter's modules"
     return chunks
 
 

@@ -333,15 +333,16 @@ def build_drafter(c, d, dcfg, target, resume_path, watchdog, step_cfg):
 
 
 def shard_drafter(d, drafter) -> None:
-    """DRAFTER_SHARDING=fsdp: FSDP2 over the drafter ranks, one unit per decoder layer and the root (fc, hidden_norm,
-    norm), so each rank keeps 1/D of the fp32 weights, gradients and AdamW state. On a GPU the forward runs on bf16
-    all-gathered weights (DTYPE); gradients are reduce-scattered in fp32. cast_forward_inputs off: the activations
-    keep the dtypes the drafter's code gives them (fp32 RoPE tables, norms), as under DDP and autocast."""
+    """DRAFTER_SHARDING=fsdp: FSDP2 over the drafter ranks, one unit per drafter.shard_units() (its decoder layers)
+    and the root (fc, hidden_norm, norm), so each rank keeps 1/D of the fp32 weights, gradients and AdamW state. On
+    a GPU the forward runs on bf16 all-gathered weights (DTYPE); gradients are reduce-scattered in fp32.
+    cast_forward_inputs off: the activations keep the dtypes the drafter's code gives them (fp32 RoPE tables, norms),
+    as under DDP and autocast."""
     mesh = DeviceMesh.from_group(d.drafters, d.device.type)
     mp = MixedPrecisionPolicy(param_dtype=d.dtype if d.device.type == "cuda" else None, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
-    for layer in drafter.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    for unit in drafter.shard_units():
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(drafter, mesh=mesh, mp_policy=mp)
 
 

@@ -71,7 +71,8 @@ def parse_overrides(argv: list[str], defaults: dict, source: Path) -> tuple[dict
 
 def constant_lines(source: Path):
     """The constants block of `source` (from its first `# --- section` to CONFIG_KEYS), line by line: ("section",
-    title, ""), ("constant", NAME, default text, comment) or ("more", comment) for a comment continuing the one above."""
+    title, ""), ("constant", NAME, default text, comment) or ("more", comment), a comment continuing the one
+    above."""
     text = Path(source).read_text()
     lines = text.splitlines()
     values = {n.lineno: (n.targets[0].id, lines[n.lineno - 1][n.value.col_offset:n.value.end_col_offset])
