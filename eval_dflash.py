@@ -59,8 +59,6 @@ Choices (documented here once):
     given. main() returns the same object.
 """
 import argparse
-import heapq
-import inspect
 import json
 import os
 import subprocess
@@ -71,11 +69,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from data.chat import render
+from data.prompts import (THINKING, PromptTooLong, encode_prompt, load_prompts, refused_by_template,
+                          template_refusal_message)
+from model.decode import (TREE_TOP_K, DrafterProposer, device_name, draft_streak, drafts_at_every_anchor, eos_ids,
+                          greedy_decode, greedy_references, speculative_decode, sync_device, target_forward,
+                          teacher_forced_streak, walk_steps, walk_tree_steps)
 from model.engine import SUPPORTED
-from model.drafter import DrafterCache
 from model.export import load_drafter
 from model.fastdecode import ATTENTION, FastDecoder
 from model.hub import resolve_model_path
@@ -83,513 +84,8 @@ from model.target import Target
 
 MAX_NEW_TOKENS = 256   # tokens generated per prompt (eos stops earlier)
 METHODS = ("decode", "fast", "walk")   # --method: see evaluate_drafters
-TREE_TOP_K = 8         # DDTree: candidate tokens per slot, i.e. children per tree node
 WARMUP_TOKENS = 8      # untimed warm-up decode on the first prompt (CUDA init, allocator)
 EARLIER_ANSWER_TOKENS = 256   # multi-turn rows: the target's greedy answer to each earlier turn, cut here
-
-
-class PromptTooLong(ValueError):
-    pass
-
-
-# ---------------------------------------------------------------------------
-# Prompts
-
-THINKING = {"auto": None, "on": True, "off": False}   # --thinking -> enable_thinking
-
-
-def load_prompts(path, limit=None, categories=None) -> list[dict]:
-    """The rows of a prompts JSONL, each checked (check_row) so that a bad row fails here, before any model loads.
-    categories: select_categories' spec ("chat,explain" keeps those, "-system" leaves that one out), applied first;
-    limit: that many rows, dealt round-robin over the categories in file order (each category's first rows), so a
-    limited run still covers every category; the kept rows stay in file order."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            problem = check_row(row)
-            if problem:
-                raise ValueError(f"{path}:{n}: {problem}")
-            row.setdefault("id", f"{Path(path).name}:{n}")
-            rows.append(row)
-    seen = Counter(r["id"] for r in rows)
-    if dup := sorted(str(i) for i, c in seen.items() if c > 1):
-        raise ValueError(f"{path}: ids must be unique (results are paired by id); repeated: {', '.join(dup[:10])}")
-    if categories is not None:
-        rows = select_categories(rows, categories, path)
-    return spread(rows, limit) if limit else rows
-
-
-def select_categories(rows, spec: str, where="prompts") -> list[dict]:
-    """The rows of the categories `spec` names: a comma list, "a,b" keeps only those, "-a,-b" keeps all but those
-    (a row without `category` is "all"); ValueError naming the file's categories for a spec that names none, a name
-    the file does not have, or one that leaves no row."""
-    names = [c.strip() for c in spec.split(",") if c.strip()]
-    drop = {c[1:] for c in names if c.startswith("-")}
-    keep = {c for c in names if not c.startswith("-")}
-    have = list(dict.fromkeys(r.get("category", "all") for r in rows))
-    if not names or "" in drop:
-        raise ValueError(f"--categories {spec!r} names no category: give names to keep (a,b) or to leave out (-a,-b); "
-                         f"{where} has {', '.join(have) or 'no rows'}")
-    if keep and drop:
-        raise ValueError(f"--categories {spec!r}: either names to keep or names to leave out (-name), not both")
-    if unknown := sorted((keep | drop) - set(have)):
-        raise ValueError(f"--categories: {where} has no category {', '.join(map(repr, unknown))}; it has "
-                         f"{', '.join(have)}")
-    kept = [r for r in rows if (r.get("category", "all") in keep if keep else r.get("category", "all") not in drop)]
-    if rows and not kept:
-        raise ValueError(f"--categories {spec!r} leaves no prompt of {where}: it has {', '.join(have)}")
-    return kept
-
-
-def refused_by_template(tokenizer, rows, enable_thinking=None) -> list[tuple[dict, str]]:
-    """(row, the template's message) for each messages row the chat template will not render (e.g. a template
-    without a system role: "System role not supported"); an answer placeholder is rendered as a stand-in answer."""
-    out = []
-    for row in rows:
-        if "input_ids" in row:
-            continue
-        msgs = [m if m.get("content") is not None else {"role": m["role"], "content": "..."}
-                for m in prompt_messages(row)]
-        try:
-            render(tokenizer, msgs, enable_thinking, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - jinja's raise_exception, or any other template failure
-            out.append((row, f"{type(e).__name__}: {e}"))
-    return out
-
-
-def template_refusal_message(refused, prompts) -> str:
-    """One error for refused_by_template's list: how many of `prompts`, which categories, the first message, and
-    the fix: the categories every prompt of which is refused can be left out with --categories."""
-    cats = Counter(r.get("category", "all") for r, _ in refused)
-    sizes = Counter(r.get("category", "all") for r in prompts)
-    whole = [c for c in cats if cats[c] == sizes[c]]
-    row, why = refused[0]
-    fix = (f"leave them out with --categories={','.join('-' + c for c in whole)}, or give the template the role it "
-           f"lacks" if len(whole) == len(cats) else "fix those rows, or give the template the role it lacks")
-    return (f"the target's chat template refuses {len(refused)} of {len(prompts)} prompts (by category: "
-            f"{', '.join(f'{c} {n} of {sizes[c]}' for c, n in cats.items())}; e.g. {row['id']!r}: {why}): {fix}")
-
-
-def check_row(row) -> str | None:
-    """What is wrong with one prompt row, or None: `messages` (a list of {role, content} with a user turn; an
-    assistant turn with content null is a placeholder for the target's answer, between user turns), `prompt` (a
-    string) or `input_ids` (a list of ints); optional `id` (string or int) and `category` (string)."""
-    if not isinstance(row, dict):
-        return f"a prompt row is a JSON object, not {type(row).__name__}"
-    if "input_ids" in row:
-        ids = row["input_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            return "`input_ids` must be a non-empty list of token ids (non-negative ints)"
-    elif "prompt" in row:
-        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-            return "`prompt` must be a non-empty string"
-    elif "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 for m in msgs):
-            return "`messages` must be a list of {\"role\": ..., \"content\": ...} objects"
-        roles = [m["role"] for m in msgs]
-        if "user" not in roles:
-            return f"`messages` has no user turn (roles {roles})"
-        for i, m in enumerate(msgs):
-            if m.get("content") is None and m["role"] == "assistant":
-                if "user" not in roles[:i] or "user" not in roles[i + 1:]:
-                    return (f"message {i} is an answer placeholder (assistant, content null): it needs a user turn "
-                            f"before it and one after it")
-            elif not isinstance(m.get("content"), str):
-                return f"message {i} ({m['role']}) has no string `content`"
-    else:
-        return f"a prompt row needs `messages`, `prompt` or `input_ids`; has {sorted(row)}"
-    if not isinstance(row.get("category", ""), str):
-        return f"`category` must be a string, not {row['category']!r}"
-    if not isinstance(row.get("id", ""), (str, int)) or isinstance(row.get("id"), bool):
-        return f"`id` must be a string or an int, not {row['id']!r}"
-    return None
-
-
-def spread(rows, limit) -> list[dict]:
-    """`limit` rows dealt round-robin over the categories (first appearance order), each category's first rows
-    first; returned in file order."""
-    by_cat = defaultdict(list)
-    for i, r in enumerate(rows):
-        by_cat[r.get("category", "all")].append(i)
-    queues, keep = list(by_cat.values()), []
-    while len(keep) < min(limit, len(rows)):
-        for q in queues:
-            if q and len(keep) < limit:
-                keep.append(q.pop(0))
-    return [rows[i] for i in sorted(keep)]
-
-
-def has_placeholders(row) -> bool:
-    return any(m["role"] == "assistant" and m.get("content") is None for m in row.get("messages") or [])
-
-
-def prompt_messages(row) -> list[dict]:
-    """The conversation to answer. A row with answer placeholders: all its messages (the placeholders are filled
-    by encode_prompt). Otherwise the system messages before the first user turn, plus that turn: MT-Bench's
-    second question in eval_prompts.jsonl refers to an answer the row does not have."""
-    if "prompt" in row:
-        return [{"role": "user", "content": row["prompt"]}]
-    msgs = row["messages"]
-    if has_placeholders(row):
-        return [dict(m) for m in msgs]
-    first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
-    if first is None:
-        raise ValueError(f"prompt {row.get('id')!r} has no user turn")
-    return [m for m in msgs[:first] if m["role"] == "system"] + [msgs[first]]
-
-
-def encode_prompt(tokenizer, row, enable_thinking=None, answer=None) -> list[int]:
-    """A row's prompt ids, templated as in training. answer: prompt ids -> the target's answer ids (eos dropped),
-    needed by rows with placeholders: each is filled, in order, with the answer to the conversation before it."""
-    if "input_ids" in row:
-        return [int(t) for t in row["input_ids"]]
-    assert tokenizer is not None, "prompt rows with messages/prompt need a tokenizer"
-
-    def ids(msgs):
-        text = render(tokenizer, msgs, enable_thinking, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    msgs = prompt_messages(row)
-    for i, m in enumerate(msgs):
-        if m["role"] == "assistant" and m.get("content") is None:
-            if answer is None:
-                raise ValueError(f"prompt {row.get('id')!r} has an answer placeholder: encoding it needs the target")
-            text = tokenizer.decode(answer(ids(msgs[:i])), skip_special_tokens=True)
-            msgs[i] = {"role": "assistant", "content": text}
-    return ids(msgs)
-
-
-# ---------------------------------------------------------------------------
-# Target forward with a KV cache
-
-def eos_ids(model, tokenizer=None) -> set[int]:
-    """The tokenizer's eos plus the generation config's eos id(s) (Qwen3/SmolLM2 list <|im_end|> there)."""
-    ids = set()
-    for v in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-        ids |= set(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
-    return ids
-
-
-def _cache_kw(model) -> str:
-    # transformers 5.2x renamed past_key_values -> cache (the old name still works, with a warning)
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
-def target_forward(model, ids, positions, cache, layer_ids=None, mask=None, last_only=False):
-    """ids, positions [n] -> logits [n or 1, V], features [n, K*H] of layer_ids (None without layer_ids).
-    Appends the n tokens' KV to cache. mask: None (causal) or a 4D additive mask [1, 1, n, past + n]."""
-    out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
-                output_hidden_states=bool(layer_ids), logits_to_keep=1 if last_only else 0,
-                **{_cache_kw(model): cache})
-    # decoder layer l == hidden_states[l + 1] (index 0 is the embedding output; the last layer's entry is after the
-    # final norm, and model.target.Target's features of it are normed alike, so training reads what this reads)
-    feats = torch.cat([out.hidden_states[l + 1][0] for l in layer_ids], dim=-1) if layer_ids else None
-    return out.logits[0], feats
-
-
-def crop_cache(cache, n: int):
-    """Keep the first n positions (negative crop = tokens to remove: transformers 5 and 4 agree on that form)."""
-    extra = cache.get_seq_length() - n
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def gather_cache(cache, keep):
-    """Keep the positions `keep` [n] (in order) of every layer: the accepted path of a verified tree."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
-
-
-def device_name(device) -> str:
-    """What a speed was measured on: the GPU's name, or the CPU with its torch threads."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def greedy_decode(model, prompt_ids, max_new_tokens, eos) -> list[int]:
-    """Plain greedy decoding, one token per forward: the losslessness reference."""
-    dev, L = model.device, len(prompt_ids)
-    cache = DynamicCache()
-    logits, _ = target_forward(model, torch.tensor(prompt_ids, device=dev), torch.arange(L, device=dev), cache,
-                               last_only=True)
-    out = [int(logits[-1].argmax())]
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        pos = L + len(out) - 1
-        logits, _ = target_forward(model, torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), cache)
-        out.append(int(logits[-1].argmax()))
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Proposals
-
-class DrafterProposer:
-    """Proposals of a Drafter with its context KV cache. The decode loop calls reset() after the prefill,
-    propose() once per step and commit() with the features of the accepted tokens. Anything with these three
-    methods and `layer_ids` (None: no features needed) can stand in for it (tests use an oracle)."""
-
-    def __init__(self, drafter, model):
-        drafter = getattr(drafter, "_orig_mod", drafter)          # unwrap torch.compile
-        self.drafter = getattr(drafter, "module", drafter)        # unwrap DDP
-        cfg = self.drafter.config
-        self.layer_ids, self.mask_id = list(cfg.target_layer_ids), cfg.mask_token_id
-        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-        self.dtype = next(self.drafter.parameters()).dtype
-        tc = model.config.get_text_config()
-        if (cfg.hidden_size, cfg.num_target_layers) != (tc.hidden_size, tc.num_hidden_layers):
-            raise ValueError(f"drafter (hidden {cfg.hidden_size}, for a {cfg.num_target_layers}-layer target) does "
-                             f"not fit this target (hidden {tc.hidden_size}, {tc.num_hidden_layers} layers)")
-        self.cache = None
-
-    def reset(self, prompt_ids, features):
-        """features [L, K*H] of the prompt."""
-        self.cache = DrafterCache(self.drafter)
-        self.commit(features, torch.arange(len(prompt_ids), device=features.device))
-
-    def commit(self, features, positions):
-        self.cache.append(features.to(self.dtype), positions)
-
-    def propose(self, tokens, start, block_size):
-        """tokens: prompt + committed so far, tokens[-1] at position `start` -> logits [B-1, V] for slots 1..B-1."""
-        assert len(self.cache) == start, f"drafter context holds {len(self.cache)} positions, block starts at {start}"
-        dev = self.cache.positions.device
-        ids = torch.tensor([tokens[-1]] + [self.mask_id] * (block_size - 1), device=dev)
-        h = self.drafter.step(self.cache, self.embed(ids).to(self.dtype),
-                              torch.arange(start, start + block_size, device=dev))            # [B, H]
-        return self.lm_head(h[1:].to(self.lm_head.weight.dtype))                              # [B-1, V]
-
-
-@torch.no_grad()
-def drafts_at_every_anchor(proposer, feats, ids, prompt_len, block_size, top_k=0, rows_per_chunk=4096):
-    """The drafter's proposals with each completion token but the last as the anchor, in one training-style forward
-    (Drafter.forward, dense mask): feats [L, K*H] the target's features of ids [L] (prompt + completion), anchors at
-    positions P..L-2 (N = L-1-P) -> drafts [N, B-1] (argmax of slots 1..B-1), and with top_k also (log-probs, ids)
-    [N, B-1, k] of each slot's top_k (what build_tree reads). Anchor P+i sees the features of positions < P+i and
-    the block [ids[P+i], MASK...] at positions P+i..: what the decode loop's drafter sees once ids[:P+i+1] are
-    committed. The lm_head runs rows_per_chunk rows at a time (the [N*(B-1), V] logits would not fit)."""
-    d, P, L, B = proposer.drafter, prompt_len, len(ids), block_size
-    dev = ids.device
-    anchors = torch.arange(P, L - 1, device=dev)                                          # [N]
-    k = torch.arange(B, device=dev)
-    block = torch.where(k[None, :] == 0, ids[anchors][:, None], proposer.mask_id)         # [N, B]
-    zeros = torch.zeros(L, dtype=torch.long, device=dev)
-    attn = d.attn_spec(anchors, zeros[: len(anchors)], zeros)
-    h = d(feats.to(proposer.dtype), torch.arange(L, device=dev), proposer.embed(block.flatten()).to(proposer.dtype),
-          (anchors[:, None] + k[None, :]).flatten(), attn)                                # [N*B, H]
-    h = h.view(len(anchors), B, -1)[:, 1:].flatten(0, 1).to(proposer.lm_head.weight.dtype)   # [N*(B-1), H]
-    drafts, top_lp, top_id = [], [], []
-    for s in range(0, h.shape[0], rows_per_chunk):
-        logits = proposer.lm_head(h[s:s + rows_per_chunk])                                # [c, V]
-        drafts.append(logits.argmax(-1))
-        if top_k:
-            lp, ix = logits.float().log_softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)
-            top_lp.append(lp)
-            top_id.append(ix)
-    shape = (len(anchors), B - 1)
-    drafts = torch.cat(drafts).view(shape) if drafts else torch.empty(shape, dtype=torch.long, device=dev)
-    if not top_k:
-        return drafts
-    return drafts, torch.cat(top_lp).view(*shape, -1), torch.cat(top_id).view(*shape, -1)
-
-
-@torch.no_grad()
-def teacher_forced_streak(model, proposer, prompt_ids, completion, block_size) -> float | None:
-    """The training-time streak on the served tokens: the drafter's training forward (Drafter.forward, dense mask)
-    reads the target's features of prompt + greedy `completion`, every generated position is an anchor, and the
-    streak of an anchor is the correct prefix of its slots 1..B-1 (cut at the end of the completion). Decoding
-    commits 1 + this per step on average when inference matches training (the anchors it visits are a subset, so
-    the two agree closely, not exactly). tau - 1 far below it means the served path differs from the trained one;
-    this far below the training log's streak means the drafter does not generalise to these prompts."""
-    if len(completion) < 2:
-        return None
-    ids = torch.tensor(list(prompt_ids) + list(completion), device=model.device)            # [L]
-    _, feats = target_forward(model, ids, torch.arange(len(ids), device=model.device), DynamicCache(),
-                              proposer.layer_ids)                                          # [L, K*H]
-    return _streak(drafts_at_every_anchor(proposer, feats, ids, len(prompt_ids), block_size), ids, len(prompt_ids))
-
-
-def _streak(drafts, ids, prompt_len) -> float:
-    """Mean correct prefix of drafts [N, B-1] (anchors P..L-2 of ids [L]), cut at the end of ids."""
-    L, B = len(ids), drafts.shape[1] + 1
-    idx = torch.arange(prompt_len, L - 1, device=ids.device)[:, None] + torch.arange(1, B, device=ids.device)
-    ok = (drafts == ids[idx.clamp(max=L - 1)]) & (idx < L)                                 # [N, B-1]
-    return float(torch.cumprod(ok.int(), dim=1).sum(1).float().mean())
-
-
-# ---------------------------------------------------------------------------
-# Verification: a block (chain) or a DDTree
-
-def verify_block(model, cache, root, draft_logits, start, layer_ids):
-    """-> (accepted path incl. the root [a+1] tokens, bonus token, features of the path [a+1, K*H])."""
-    dev = draft_logits.device
-    draft = draft_logits.argmax(-1)                                               # [B-1]
-    block = torch.cat([torch.tensor([root], device=dev), draft])                  # [B]
-    logits, feats = target_forward(model, block, torch.arange(start, start + len(block), device=dev), cache,
-                                   layer_ids)
-    post = logits.argmax(-1)                                                      # [B] target's next token per slot
-    a = int((draft == post[:-1]).int().cumprod(0).sum())
-    crop_cache(cache, start + a + 1)
-    return block[: a + 1].tolist(), int(post[a]), None if feats is None else feats[: a + 1]
-
-
-def build_tree(logp, budget, top_k):
-    """Best-first draft tree. logp [D, V] per-slot log-probs (depth d uses row d-1). Node 0 is the root (the last
-    committed token); returns tokens, parents, depths of nodes 1..N (N <= budget), parents before children. A node's
-    score is the sum of log-probs along its path; pushing only a node's best child and its next sibling keeps the
-    frontier exact because both score no higher than the node itself."""
-    return tree_from_topk(*(x.tolist() for x in logp.topk(min(top_k, logp.shape[1]), dim=-1)), budget)
-
-
-def tree_from_topk(top_lp, top_id, budget):
-    """build_tree from each slot's top-k log-probs and ids ([D][k] lists, best first)."""
-    D, k = len(top_id), len(top_id[0])
-    tokens, parents, depths = [], [], []
-    # (-score, tiebreak, parent node, parent score, depth, rank among the parent's candidates)
-    heap = [(-top_lp[0][0], 0, 0, 0.0, 1, 0)]
-    while heap and len(tokens) < budget:
-        neg, _, parent, pscore, d, r = heapq.heappop(heap)
-        tokens.append(top_id[d - 1][r])
-        parents.append(parent)
-        depths.append(d)
-        node = len(tokens)
-        if r + 1 < k:
-            heapq.heappush(heap, (-(pscore + top_lp[d - 1][r + 1]), len(tokens) * 2, parent, pscore, d, r + 1))
-        if d < D:
-            heapq.heappush(heap, (neg - top_lp[d][0], len(tokens) * 2 + 1, node, -neg, d + 1, 0))
-    return tokens, parents, depths
-
-
-def verify_tree(model, cache, root, draft_logits, start, layer_ids, budget, top_k):
-    dev = draft_logits.device
-    tokens, parents, depths = build_tree(draft_logits.float().log_softmax(-1), budget, top_k)
-    n = len(tokens) + 1
-    anc = torch.zeros(n, n, dtype=torch.bool)                                     # anc[i, j]: j is i or its ancestor
-    anc[0, 0] = True
-    for i, p in enumerate(parents, 1):
-        anc[i] = anc[p]
-        anc[i, i] = True
-    mask = torch.zeros(1, 1, n, start + n, dtype=model.dtype, device=dev)         # all past visible
-    mask[0, 0, :, start:].masked_fill_(~anc.to(dev), torch.finfo(model.dtype).min)
-    ids = torch.tensor([root] + tokens, device=dev)
-    pos = start + torch.tensor([0] + depths, device=dev)
-    logits, feats = target_forward(model, ids, pos, cache, layer_ids, mask=mask)
-    post = logits.argmax(-1).tolist()                                             # [n]
-    children = defaultdict(dict)
-    for i, (p, t) in enumerate(zip(parents, tokens), 1):
-        children[p].setdefault(t, i)
-    path = [0]
-    while post[path[-1]] in children[path[-1]]:                                   # follow the target's argmax
-        path.append(children[path[-1]][post[path[-1]]])
-    gather_cache(cache, torch.cat([torch.arange(start, device=dev), start + torch.tensor(path, device=dev)]))
-    return ids[path].tolist(), post[path[-1]], None if feats is None else feats[path]
-
-
-@torch.no_grad()
-def speculative_decode(model, prompt_ids, proposer, block_size, max_new_tokens, eos, tree_budget=0,
-                       tree_top_k=TREE_TOP_K) -> dict:
-    """-> {tokens: generated ids, steps: tokens committed per verify step}. tree_budget > 0: DDTree verification."""
-    dev, L = model.device, len(prompt_ids)
-    cache = DynamicCache()
-    logits, feats = target_forward(model, torch.tensor(prompt_ids, device=dev), torch.arange(L, device=dev), cache,
-                                   proposer.layer_ids, last_only=True)
-    new, steps = [int(logits[-1].argmax())], []
-    proposer.reset(prompt_ids, feats)
-    while len(new) < max_new_tokens and new[-1] not in eos:
-        start = L + len(new) - 1                                   # position of the last committed token
-        draft_logits = proposer.propose(prompt_ids + new, start, block_size)                 # [B-1, V]
-        if tree_budget:
-            path, bonus, feats = verify_tree(model, cache, new[-1], draft_logits, start, proposer.layer_ids,
-                                             tree_budget, tree_top_k)
-        else:
-            path, bonus, feats = verify_block(model, cache, new[-1], draft_logits, start, proposer.layer_ids)
-        committed = path[1:] + [bonus]
-        cut = next((i + 1 for i, t in enumerate(committed) if t in eos), len(committed))
-        committed = committed[: min(cut, max_new_tokens - len(new))]
-        new += committed
-        steps.append(len(committed))
-        proposer.commit(feats, torch.arange(start, start + len(path), device=dev))
-    return {"tokens": new, "steps": steps}
-
-
-# ---------------------------------------------------------------------------
-# The walk: the decode loop's tau without decoding. Greedy speculative decoding is lossless, so it outputs the
-# greedy continuation y; its proposal at each step depends only on the target's features of the committed tokens
-# and the anchor (the last committed token). So one teacher-forced target forward over prompt + y and one drafter
-# forward with every position of y as an anchor give every proposal it could make, and walking them as the loop
-# would (accept the longest prefix equal to y, commit it plus the bonus token, jump) gives its steps exactly. What
-# it assumes is the losslessness the decode method checks: exact in fp32; in bf16 the loop's block forwards round
-# unlike one full forward and a near-tie can flip.
-
-@torch.no_grad()
-def greedy_references(model, prompts_ids, max_new_tokens, eos, batch_size=64) -> list[list[int]]:
-    """Plain greedy continuations of many prompts (what lossless speculative decoding outputs), each up to its
-    first eos: HF generate, batched with left padding, prompts of similar length together. The one place to swap
-    in a faster engine."""
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos) or None,
-                           pad_token_id=min(eos) if eos else 0)   # outputs are cut at the first eos: pads unread
-    order = sorted(range(len(prompts_ids)), key=lambda i: len(prompts_ids[i]))
-    out = [None] * len(prompts_ids)
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        S = max(len(prompts_ids[i]) for i in idx)
-        ids = torch.zeros(len(idx), S, dtype=torch.long)
-        mask = torch.zeros(len(idx), S, dtype=torch.long)
-        for r, i in enumerate(idx):
-            n = len(prompts_ids[i])
-            ids[r, S - n:], mask[r, S - n:] = torch.tensor(prompts_ids[i]), 1
-        new = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             generation_config=gen)[:, S:].tolist()                       # [b, <= max_new_tokens]
-        for r, i in enumerate(idx):
-            cut = next((j + 1 for j, t in enumerate(new[r]) if t in eos), len(new[r]))
-            out[i] = new[r][:cut]
-    return out
-
-
-def walk_steps(drafts, completion, block_size) -> list[int]:
-    """Tokens committed per verify step of speculative_decode (block verification) when it outputs `completion`
-    (the greedy continuation: cut at its eos or at max_new_tokens): drafts [N, B-1] the proposals with
-    completion[i] as the anchor (drafts_at_every_anchor). With n tokens committed the anchor is completion[n-1];
-    the loop accepts the longest prefix of its drafts equal to what follows and commits that plus the target's
-    bonus token, at most the m - n tokens left (the loop's eos / max_new_tokens cut). Drafts past completion[m-1]
-    cannot change a step: the cut ends it there."""
-    m, n, steps = len(completion), 1, []
-    while n < m:
-        row, a = drafts[n - 1], 0
-        while a < min(block_size - 1, m - n - 1) and row[a] == completion[n + a]:
-            a += 1
-        steps.append(min(a + 1, m - n))
-        n += steps[-1]
-    return steps
-
-
-def walk_tree_steps(top_lp, top_id, completion, budget) -> list[int]:
-    """walk_steps for DDTree verification: at each anchor the tree speculative_decode would build from the same
-    top-k (tree_from_topk), the accepted path is the longest path from the root spelling what follows."""
-    m, n, steps = len(completion), 1, []
-    while n < m:
-        tokens, parents, _ = tree_from_topk(top_lp[n - 1], top_id[n - 1], budget)
-        child = {(p, t): i for i, (p, t) in reversed(list(enumerate(zip(parents, tokens), 1)))}   # first wins
-        node, a = 0, 0
-        while a < m - n - 1 and (node, completion[n + a]) in child:
-            node, a = child[(node, completion[n + a])], a + 1
-        steps.append(min(a + 1, m - n))
-        n += steps[-1]
-    return steps
 
 
 @torch.no_grad()
@@ -623,7 +119,7 @@ def walk_evaluate(model, proposers, block_sizes, items, max_new_tokens, eos, tre
                 drafts = out[0] if tree_budget else out
                 r["steps"] = walk_steps(drafts.tolist(), y, bs)
                 r["tau"] = _mean(r["steps"])
-                r["tf_streak"] = _streak(drafts, seq, len(ids))
+                r["tf_streak"] = draft_streak(drafts, seq, len(ids))
                 if tree_budget:
                     r["tree_steps"] = walk_tree_steps(out[1].tolist(), out[2].tolist(), y, tree_budget)
                     r["tree_tau"] = _mean(r["tree_steps"])
@@ -729,15 +225,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         device = torch.device("cuda", torch.cuda.current_device())
     assert model.device == device, f"target is on {model.device}, evaluation asked for {device}"
     proposers = [d if hasattr(d, "propose") else DrafterProposer(d, model) for d in drafters]
-    assert method in METHODS, f"method {method!r} is not one of {METHODS}"
-    if method in ("walk", "fast") and not all(isinstance(p, DrafterProposer) for p in proposers):
-        raise ValueError(f"--method {method} runs the Drafter itself: it needs Drafters, not other proposers")
-    if method == "fast" and tree_budget:
-        raise ValueError("--method fast verifies blocks only: drop --tree-budget, or use --method decode for DDTree")
+    check_method(method, proposers, tree_budget, model)
     block_sizes = [block_size or p.drafter.config.block_size for p in proposers]
-    if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
-                         f"'eager' (it has {model.config._attn_implementation!r})")
     eos = eos_ids(model, tokenizer)
     log = log or (lambda *_: None)
     reference = {} if reference is None else reference
@@ -754,17 +243,14 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         return reference[key]
     for row in prompts:
         ids = encode_prompt(tokenizer, row, enable_thinking, answer)
-        need = len(ids) + max_new_tokens + B - 1
-        if need > limit:
-            msg = (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
-                   f"{B} it needs {need} positions, the target has max_position_embeddings={limit}")
-            if on_too_long != "skip":
-                raise PromptTooLong(msg + "; shorten it, lower --max-new-tokens, or pass --skip-long")
-            if k == 0:
-                log(f"warning: skipped {msg}")
-            skipped.append(row["id"])
+        if (msg := too_long(row, ids, max_new_tokens, B, limit)) is None:
+            items.append((row, ids))
             continue
-        items.append((row, ids))
+        if on_too_long != "skip":
+            raise PromptTooLong(msg + "; shorten it, lower --max-new-tokens, or pass --skip-long")
+        if k == 0:
+            log(f"warning: skipped {msg}")
+        skipped.append(row["id"])
     assert items, "no prompts to evaluate"
     items = items[k::n_shards]
 
@@ -784,18 +270,8 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
                 for pp, p, bs in zip(per, proposers, block_sizes)]
 
     modes = {"dflash": 0} | ({"ddtree": tree_budget} if tree_budget else {})
-    if method == "fast":
-        fast = fast_decoder(model, [ids for _, ids in items], max_new_tokens, max(block_sizes), cuda_graphs,
-                            attention)
-        states = [fast.drafter(p.drafter, bs) for p, bs in zip(proposers, block_sizes)]
-        greedy = lambda ids, m: fast.greedy(ids, m, eos)                                       # noqa: E731
-        spec = lambda j, ids, m, budget: fast.speculative(ids, states[j], m, eos)              # noqa: E731
-        warm = range(len(proposers))                  # each drafter's step is its own CUDA graph, captured here
-    else:
-        greedy = lambda ids, m: greedy_decode(model, ids, m, eos)                              # noqa: E731
-        spec = lambda j, ids, m, budget: speculative_decode(model, ids, proposers[j], block_sizes[j], m,  # noqa: E731
-                                                            eos, budget, tree_top_k)
-        warm = range(1)
+    greedy, spec, warm, fast = decoders(method, model, proposers, block_sizes, [ids for _, ids in items],
+                                        max_new_tokens, eos, tree_top_k, cuda_graphs, attention)
     if items:                                                      # untimed warm-up of every code path
         ids0 = items[0][1]
         greedy(ids0, WARMUP_TOKENS)
@@ -808,40 +284,96 @@ def evaluate_drafters(target_model, tokenizer, drafters, prompts, block_size=Non
         who = f"drafter {j + 1}/{len(proposers)} " if len(proposers) > 1 else ""
         per_prompt = []
         for n, (row, ids) in enumerate(items, 1):
-            key = (method, tuple(ids), max_new_tokens)            # fast's greedy is its own baseline
-            if key not in reference:
-                _sync(device)
-                t0 = time.perf_counter()
-                want = greedy(ids, max_new_tokens)
-                _sync(device)
-                reference[key] = (want, time.perf_counter() - t0)
-            want, secs = reference[key]
+            want, secs = timed_reference(reference, (method, tuple(ids), max_new_tokens), greedy, ids, device)
             r = {"id": row["id"], "category": row.get("category", "all"), "prompt_tokens": len(ids),
                  "seconds": {"greedy": secs}, "gen_tokens": {"greedy": len(want)}}
-            for mode, budget in modes.items():
-                _sync(device)
-                t0 = time.perf_counter()
-                got = spec(j, ids, max_new_tokens, budget)
-                _sync(device)
-                r["seconds"][mode] = time.perf_counter() - t0
-                r["gen_tokens"][mode] = len(got["tokens"])
-                pre = "" if mode == "dflash" else "tree_"
-                r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
-                      f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
-                if mode == "dflash":
-                    r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
-                    if tokenizer is not None:
-                        r["text"] = tokenizer.decode(got["tokens"])
-            r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+            r |= time_modes(lambda m, budget: spec(j, ids, m, budget), modes, want, max_new_tokens, device, tokenizer,
+                            r["seconds"], r["gen_tokens"])
             if isinstance(proposer, DrafterProposer):
                 r["tf_streak"] = teacher_forced_streak(model, proposer, ids, want, bs)
             per_prompt.append(r)
-            tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
-            bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
-            log(f"{who}[{n}/{len(items)}] {r['id']} prompt={len(ids)} new={r['new_tokens']} steps={len(r['steps'])} "
-                f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+            log(prompt_line(f"{who}[{n}/{len(items)}]", r, len(ids), tree_budget))
         results.append(summarize(per_prompt, skipped, config(proposer, bs)))
     return results
+
+
+def check_method(method, proposers, tree_budget, model) -> None:
+    """What each method needs: walk and fast run Drafters themselves, fast verifies blocks only, DDTree's 4D mask
+    needs an sdpa or eager target."""
+    assert method in METHODS, f"method {method!r} is not one of {METHODS}"
+    if method in ("walk", "fast") and not all(isinstance(p, DrafterProposer) for p in proposers):
+        raise ValueError(f"--method {method} runs the Drafter itself: it needs Drafters, not other proposers")
+    if method == "fast" and tree_budget:
+        raise ValueError("--method fast verifies blocks only: drop --tree-budget, or use --method decode for DDTree")
+    if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
+                         f"'eager' (it has {model.config._attn_implementation!r})")
+
+
+def timed_reference(reference, key, greedy, ids, device) -> tuple[list[int], float]:
+    """The greedy reference of a prompt and its decode time, made once per key (method, prompt, max_new_tokens:
+    fast's greedy is its own baseline) and kept in `reference` across drafters and calls."""
+    if key not in reference:
+        sync_device(device)
+        t0 = time.perf_counter()
+        want = greedy(ids, key[2])
+        sync_device(device)
+        reference[key] = (want, time.perf_counter() - t0)
+    return reference[key]
+
+
+def prompt_line(head, r, prompt_len, tree_budget) -> str:
+    """The per-prompt log line."""
+    tree = f" tree_tau={_fmt(r['tree_tau'])}" if tree_budget else ""
+    bad = "" if r["lossless"] else f" MISMATCH {r['mismatch'] or r['tree_mismatch']}"
+    return (f"{head} {r['id']} prompt={prompt_len} new={r['new_tokens']} steps={len(r['steps'])} "
+            f"tau={_fmt(r['tau'])}{tree} lossless={'yes' if r['lossless'] else 'no'}{bad}")
+
+
+def decoders(method, model, proposers, block_sizes, prompts_ids, max_new_tokens, eos, tree_top_k, cuda_graphs,
+             attention):
+    """The decode functions `method` times: greedy(ids, m) and spec(j, ids, m, tree_budget) for drafter j, the drafters
+    to warm up (fast: each drafter's step is its own CUDA graph, captured then) and the FastDecoder (else None)."""
+    if method == "fast":
+        fast = fast_decoder(model, prompts_ids, max_new_tokens, max(block_sizes), cuda_graphs, attention)
+        states = [fast.drafter(p.drafter, bs) for p, bs in zip(proposers, block_sizes)]
+        return (lambda ids, m: fast.greedy(ids, m, eos), lambda j, ids, m, budget: fast.speculative(
+            ids, states[j], m, eos), range(len(proposers)), fast)
+    return (lambda ids, m: greedy_decode(model, ids, m, eos), lambda j, ids, m, budget: speculative_decode(
+        model, ids, proposers[j], block_sizes[j], m, eos, budget, tree_top_k), range(1), None)
+
+
+def too_long(row, ids, max_new_tokens, block_size, limit) -> str | None:
+    """Why a prompt cannot be decoded within the target's max_position_embeddings (`limit`), or None: the last
+    block drafts up to block_size - 1 positions past the last token."""
+    need = len(ids) + max_new_tokens + block_size - 1
+    if need <= limit:
+        return None
+    return (f"prompt {row['id']!r} has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and block size "
+            f"{block_size} it needs {need} positions, the target has max_position_embeddings={limit}")
+
+
+def time_modes(spec, modes, want, max_new_tokens, device, tokenizer, seconds, gen_tokens) -> dict:
+    """One prompt decoded by each mode (dflash: blocks; ddtree: the tree, its budget), each timed alone; want: the
+    greedy reference. Fills seconds and gen_tokens per mode; -> the per-prompt result's tau, steps, mismatch
+    (tree_ for the tree), the tokens and text, and lossless."""
+    r = {}
+    for mode, budget in modes.items():
+        sync_device(device)
+        t0 = time.perf_counter()
+        got = spec(max_new_tokens, budget)
+        sync_device(device)
+        seconds[mode] = time.perf_counter() - t0
+        gen_tokens[mode] = len(got["tokens"])
+        pre = "" if mode == "dflash" else "tree_"
+        r |= {f"{pre}tau": _mean(got["steps"]) if got["steps"] else None, f"{pre}steps": got["steps"],
+              f"{pre}mismatch": _first_mismatch(got["tokens"], want)}
+        if mode == "dflash":
+            r |= {"new_tokens": len(got["tokens"]), "tokens": got["tokens"]}
+            if tokenizer is not None:
+                r["text"] = tokenizer.decode(got["tokens"])
+    r["lossless"] = all(r[f"{p}mismatch"] is None for p in ("", "tree_") if f"{p}mismatch" in r)
+    return r
 
 
 def fast_decoder(model, prompts_ids, max_new_tokens, block_size, cuda_graphs, attention="sdpa") -> FastDecoder:

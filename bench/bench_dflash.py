@@ -16,7 +16,7 @@ drafter step is step.drafter_step + optimizer_step for one rank and GRAD_ACCUM=1
 transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
 Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) default to train_dflash's constants (read,
 never written: Context.cfg holds this run's values).
-Every mode prints the planner's memory estimate (planner.py) next to the measured peak.
+Every mode prints the planner's memory estimate (trainer/planner.py) next to the measured peak.
 """
 import argparse
 import functools
@@ -41,9 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.profiler import ProfilerActivity, profile as torch_profile
 from transformers import AutoModelForCausalLM
 
-import planner
 import train_dflash as td
-from step import StepConfig, autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
 from data.batching import BatchPlan
 from model import ce_kernel, fp8, objective
 from model.attention import dflash_mask_mod, flex_kernel_options, set_flex_kernel_options, to_device, \
@@ -52,8 +50,10 @@ from model.drafter import Drafter, DrafterConfig, compile_drafter
 from model.fp8 import convert_drafter, quantize_target
 from model.objective import micro_seed, pack, sample_anchors, set_ce_kernel
 from model.target import Target, target_features
-from optim import make_optimizer
-from pipe import Packet, Prefetcher, Sender, receive
+from trainer import planner
+from trainer.drafter_step import StepConfig, autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
+from trainer.optim import make_optimizer
+from trainer.pipe import Packet, Prefetcher, Sender, receive
 
 # --- shapes -----------------------------------------------------------------------------------------------------------
 # name: family, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, rope_theta, tied embeddings, MASK id
@@ -905,7 +905,7 @@ def report(res, c) -> str:
     if p and p.get("compute") and "error" not in p:     # the pipeline's ranks ran the real roles
         for r in ("target", "drafter"):
             measured.setdefault(r, p.get(f"{r}_peak_mem_bytes"))
-    lines += ["", "memory estimate, term by term (planner.py; calibrate its constants against the measured "
+    lines += ["", "memory estimate, term by term (trainer/planner.py; calibrate its constants against the measured "
                   "rows):", planner.format_terms(res["plan_full"], measured)]
     gpu_mem = res["env"]["gpu_mem_bytes"]
     if gpu_mem:

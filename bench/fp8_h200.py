@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-import planner
 from bench import bench_dflash as bd
 from model.fp8 import RECIPES, quantize_target
 from model.target import Target, target_features
+from trainer import planner
 
 ANCHORS = (512, 2048)       # blocks per 4 x 3072 micro-batch: the seeds' default, the peer's work
 # per-role rates measured on H200s (BENCHMARKS.md): the compiled target, the compiled drafter's step at each density

@@ -3,7 +3,7 @@
     python dev/compare_runs.py run OUT [--repo DIR] [--MAX_STEPS=8]   # the jobs below, with DIR's trainer
     python dev/compare_runs.py compare REF NEW                        # metrics rows and final checkpoints, exactly
 
-Each job trains tests/runs.py's tiny target on its tiny dataset. `compare` drops the wall-clock keys of the metrics
+Each job trains tests/helpers/runs.py's tiny target on its tiny dataset. `compare` drops the wall-clock keys of the metrics
 rows and compares the rest with ==, and every tensor of the final checkpoint (state.pt, a sharded checkpoint's
 shards, the exported drafter) with torch.equal. Exits 1 on any difference.
 """
@@ -34,7 +34,7 @@ TIMING = {"time", "elapsed_s", "tgt_mb_s", "dft_mb_s", "tok_s", "eta_s", "q_pre"
 
 
 def run_jobs(out: Path, repo: Path, max_steps: int) -> None:
-    sys.path.insert(0, str(repo / "tests"))
+    sys.path[:0] = [str(repo / "tests" / "helpers"), str(repo / "tests")]   # runs.py: tests/helpers/ (before: tests/)
     import runs   # the repo's own test helpers: its tiny target and dataset, its way of starting torchrun
     assert Path(runs.REPO).resolve() == repo.resolve(), f"imported {runs.__file__}, not {repo}'s"
     out.mkdir(parents=True, exist_ok=True)

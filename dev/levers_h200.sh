@@ -86,8 +86,8 @@ part_setup1() {
     # the GPU paths the CPU suite cannot reach (flex attention, FP8, the CE kernel, the fast loop's CUDA graphs), on this
     # machine's torch
     [ "${GPU_TESTS:-1}" = 1 ] && { timeout 300 $PY -m pytest -q -o addopts=-rs -p no:cacheprovider \
-        tests/test_flex_cuda.py tests/test_fp8.py tests/test_ce_kernel.py \
-        "tests/test_fastdecode.py::test_cuda_graphs_equal_eager_and_the_decode_loop" > "$OUT/gpu_tests.txt" 2>&1 || true
+        tests/gpu/test_flex_cuda.py tests/unit/test_fp8.py tests/unit/test_ce_kernel.py \
+        "tests/unit/test_fastdecode.py::test_cuda_graphs_equal_eager_and_the_decode_loop" > "$OUT/gpu_tests.txt" 2>&1 || true
         tail -4 "$OUT/gpu_tests.txt"; }
     return 0
 }

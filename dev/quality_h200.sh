@@ -70,7 +70,7 @@ part_setup2() {
         $PY -m tools.smollm2 --gguf "$WORK/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$SMOL"
     fi
     # the engine's greedy output against HF generate on the real target, on this GPU, with CUDA graphs
-    [ "${CHECK_ENGINE:-1}" = 1 ] && $PY -m pytest -q -x tests/test_engine.py -k "smollm2" -p no:cacheprovider 2>&1 | tail -3
+    [ "${CHECK_ENGINE:-1}" = 1 ] && $PY -m pytest -q -x tests/unit/test_engine.py -k "smollm2" -p no:cacheprovider 2>&1 | tail -3
     return 0
 }
 

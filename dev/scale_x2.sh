@@ -62,7 +62,7 @@ $PY - "$RUNS" "$STEPS" >> "$S" 2>&1 <<'EOF'
 import json, sys
 from pathlib import Path
 import torch
-import checkpoint as ckpt
+from trainer import checkpoint as ckpt
 runs, steps = Path(sys.argv[1]), int(sys.argv[2])
 def rows(name):
     out = {}

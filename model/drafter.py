@@ -310,10 +310,21 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(cfg.num_taps * H, H, bias=False)   # [H, K*H]
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.apply(self._init_weights)
-        # params_ready(i): called before the forward first reads chunk i of its parameters (optim.param_chunks:
+        # params_ready(i): called before the forward first reads chunk i of its parameters (param_chunks:
         # 0 = fc + hidden_norm, 1..L = the layers, L+1 = the final norm). The trainer's overlapped optimizer sets
         # it to wait for that chunk's update; None otherwise.
         self.params_ready = None
+
+    # What the trainer asks of a drafter, so that a variant answers for its own modules: the optimizer's parameter
+    # chunks (trainer/optim.py) and the units FSDP2 shards (trainer/roles.py: shard_drafter).
+    def param_chunks(self) -> list[list[nn.Parameter]]:
+        """The parameters in the order the forward first reads them: [fc, hidden_norm], each layer, [norm]."""
+        return [list(self.fc.parameters()) + list(self.hidden_norm.parameters()),
+                *[list(layer.parameters()) for layer in self.layers], list(self.norm.parameters())]
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules DRAFTER_SHARDING=fsdp shards one by one, before the root (which keeps fc and the norms)."""
+        return list(self.layers)
 
     @staticmethod
     def _init_weights(m):

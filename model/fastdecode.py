@@ -20,7 +20,7 @@ from [token, MASK x (B-1)] at start..start+B-1 -> the target verifies [token, dr
 longest prefix of drafts equal to the target's argmax -> the drafter's context gets the block's features -> the
 next token is the target's argmax after the a accepted drafts, start += a + 1). The host reads back one small
 tensor per step (the next token; or the block's argmax ids and a) to cut at eos / max_new_tokens, as
-eval_dflash.speculative_decode does. The prompt prefill is one eager forward of the same code.
+model.decode.speculative_decode does. The prompt prefill is one eager forward of the same code.
 
 Kernels per step (aten ops that do work, counted on the CPU by `python -m tools.count_ops`: SmolLM2-135M target,
 30 layers, a 5-layer drafter, B=16; before = commit b72f6aa). At batch 1 on a small model every kernel is a launch
@@ -42,7 +42,7 @@ in the sin table); the drafter's q_norm and k_norm (one norm over its q and k he
 its context K/V (every layer's k and v projection one matmul of concatenated weights, k_norm and RoPE batched over
 layers, one cache write instead of ten) and the out= writes of the acceptance. The drafter folds GQA into its
 queries as the target does (2 copies a layer on the CPU; on CUDA it keeps fp32 off SDPA's math kernel where the
-efficient one refuses enable_gqa). Every cut is the same arithmetic per element (tests/test_fastdecode.py checks
+efficient one refuses enable_gqa). Every cut is the same arithmetic per element (tests/unit/test_fastdecode.py checks
 the drafter's pieces bit for bit on the CPU). The verify of B tokens runs the greedy step's kernels plus 2 per layer
 (the copies that fold GQA into q's rows and unfold o). So the speculative step is 1.32x a greedy step in kernels
 (was 1.37x), yet it measured 2.7x on an H200 (11.0 vs 4.1 ms): the rest must be the kernels' own time at 16 rows
@@ -243,7 +243,7 @@ class FastDecoder:
 
     @torch.inference_mode()
     def greedy(self, prompt_ids, max_new_tokens, eos) -> list[int]:
-        """Plain greedy decoding (eval_dflash.greedy_decode's tokens): up to max_new_tokens, the first eos included."""
+        """Plain greedy decoding (model.decode.greedy_decode's tokens): up to max_new_tokens, the first eos included."""
         self._check_fits(len(prompt_ids), max_new_tokens)
         self._ready("greedy", self._greedy_step)
         self._prefill(prompt_ids)
@@ -277,7 +277,7 @@ class FastDecoder:
 class DraftState:
     """A Drafter with a static context cache (what model.drafter.DrafterCache holds, as rows indexed by position),
     its step re-wired for few kernels (Drafter.step's and Drafter.context_kv's maths, per element: checked against
-    them in tests/test_fastdecode.py), and the output buffer of its verify step, out [B + 1] = the target's argmax
+    them in tests/unit/test_fastdecode.py), and the output buffer of its verify step, out [B + 1] = the target's argmax
     ids of the block, then the accepted count. It copies the drafter's k/v projection and q/k norm weights
     (about 2 * kv_heads * head_dim * H values per layer): build it once the drafter's weights are final."""
 

@@ -13,8 +13,8 @@ before), in DRAFTER_FP8_RECIPE, one of torchao's recipes:
 - rowwise: all three GEMMs in float8 with per-row scales; the weight gradient's operands are scaled along the token
   dimension, and those column-wise amax reductions cost more than the GEMMs save;
 - tensorwise: one scale per tensor, gradients in e5m2, all three GEMMs in float8.
-At 2,048 blocks per 4 x 3072 tokens, Qwen3-8B shapes, an H200 (BENCHMARKS.md, throughput): 451 / 543 / 459 ms per
-drafter step against bf16's 516. What stays bf16:
+Their step times are in BENCHMARKS.md (other figures); rowwise_with_gw_hp is the default because it measured
+fastest there. What stays bf16:
 - the lm_head + CE: a plain matmul of the frozen target weight in model.objective, not an nn.Linear;
 - fc: its input is the target's raw residual stream, whose massive-activation channels (10^3-10^4 x the median
   in Qwen/Llama-style models) would set each row's scale and push the rest of the row into e4m3's subnormals;

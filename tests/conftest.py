@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random Qwen3 and Llama targets saved as local HF folders, a drafter factory, and the
-trainer tests' target + dataset (`assets`, one per test module; tests/runs.py builds them)."""
+trainer tests' target + dataset (`assets`, one per test module; tests/helpers/runs.py builds them)."""
 import os
 import sys
 from pathlib import Path
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))                 # the repository: its packages
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))           # runs, server
 torch.set_num_threads(1)   # 2 shared cores: tests are tiny, threads only add contention
 
 SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
@@ -30,7 +31,7 @@ def _save_tiny(cls_name, out, **extra):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """(target folder, prepared dataset) of tests/runs.py for the torchrun jobs of one test module."""
+    """(target folder, prepared dataset) of tests/helpers/runs.py for the torchrun jobs of one test module."""
     import runs
     root = tmp_path_factory.mktemp("assets")
     return runs.make_target(root / "target"), runs.make_dataset(root / "data")

@@ -1,6 +1,6 @@
 """The teacher-forced streak of a drafter on a prepared dataset (the training text), to set beside the one
 eval_dflash.py prints for served tokens: a drafter that streaks far better here than on held-out greedy outputs
-does not generalise to those prompts (BENCHMARKS.md, section 6).
+does not generalise to those prompts (docs/evaluation.md).
 
     python -m tools.train_streak --target ~/.cache/dflash/smollm2-135m-instruct \
         --drafter runs/cpu-long/checkpoints/step_001000/drafter --data data/default/smollm2 --rows 200
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data.loader import read_arrow_dataset
-from eval_dflash import DrafterProposer, teacher_forced_streak
+from model.decode import DrafterProposer, teacher_forced_streak
 from model.export import load_drafter
 
 

@@ -1,4 +1,4 @@
-"""Record the golden output of z-lab's reference DFlashDraftModel on a fixed tiny drafter (tests/test_zlab_golden.py).
+"""Record the golden output of z-lab's reference DFlashDraftModel on a fixed tiny drafter (tests/unit/test_zlab_golden.py).
 
     python -m tools.zlab_golden --zlab /work/.mirror/z-lab+dflash/repo      # a bare git dir or a checkout
 

@@ -1,0 +1,243 @@
+"""trainer/settings.py: check_config's ranges, --NAME=VALUE and --help; the LR schedule. In-process (no job is started)."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_dflash as td
+from trainer import roles, settings
+from data.loader import Schedule
+from trainer.optim import lr_at
+
+
+@pytest.fixture
+def cfg(tiny_llama_dir, tmp_path, monkeypatch):
+    """A valid configuration; set(NAME=value) changes it; check() returns check_config's error text ('' if ok)."""
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(td, "TARGET", str(tiny_llama_dir))
+    monkeypatch.setattr(td, "DATA", str(tmp_path / "data"))
+    monkeypatch.setattr(td, "OUT_DIR", str(tmp_path / "out"))
+
+    class Cfg:
+        @staticmethod
+        def set(**kw):
+            for k, v in kw.items():
+                monkeypatch.setattr(td, k, v)
+
+        @staticmethod
+        def check():
+            try:
+                td.check_config(1)
+            except SystemExit as e:
+                return str(e.code)
+            return ""
+    return Cfg
+
+
+def test_every_numeric_constant_has_a_range():
+    numeric = [k for k in td.CONFIG_KEYS if isinstance(getattr(td, k), (int, float))
+               and not isinstance(getattr(td, k), bool)]
+    assert sorted(set(numeric) - set(settings.RANGES)) == [], \
+        "open the new constant's comment with its allowed range, [>= N] or [> N]"
+    assert all(settings.RANGES[k][0] <= getattr(td, k) for k in numeric), "a default outside its own range"
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("GRAD_CLIP", 0.0, "GRAD_CLIP=0.0 must be > 0 and finite"),
+    ("GRAD_CLIP", -1.0, "GRAD_CLIP=-1.0 must be > 0"),
+    ("GRAD_CLIP", math.inf, "GRAD_CLIP=inf must be > 0 and finite"),
+    ("GAMMA", math.nan, "GAMMA=nan must be > 0 and finite"),
+    ("LR", math.nan, "LR=nan must be > 0"),
+    ("WEIGHT_DECAY", -0.1, "WEIGHT_DECAY=-0.1 must be >= 0"),
+    ("NOISE", math.inf, "NOISE=inf must be >= 0 and finite"),
+    ("SEED", -1, "SEED=-1 must be >= 0"),
+    ("STALL_TIMEOUT", 0.0, "STALL_TIMEOUT=0.0 must be > 0"),
+    ("MASK_TOKEN_ID", -2, "MASK_TOKEN_ID=-2 must be >= -1"),
+    ("WARMUP_RATIO", 1.0, "WARMUP_RATIO=1.0 must be < 1"),
+    ("SLIDING_WINDOW_LAYERS", 9, "SLIDING_WINDOW_LAYERS=9 must be <= NUM_DRAFT_LAYERS=5"),
+])
+def test_bad_numeric_values_are_refused(cfg, name, value, message):
+    assert cfg.check() == ""
+    cfg.set(**{name: value})
+    assert message in cfg.check()
+
+
+def test_unknown_drafter_fp8_recipe_is_refused_with_the_choices(cfg):
+    cfg.set(DRAFTER_FP8_RECIPE="rowwise_fast")
+    assert ("DRAFTER_FP8_RECIPE='rowwise_fast': allowed are rowwise_with_gw_hp, rowwise, tensorwise"
+            in cfg.check())
+
+
+def test_the_start_up_check_covers_the_device_fp8_and_trackers(cfg, monkeypatch):
+    """check_config is the job's whole start-up check (launch.sh runs it too): DEVICE=cuda without CUDA, FP8 on a
+    CPU, a tracker whose package is missing."""
+    import builtins
+    real = builtins.__import__
+
+    def no_wandb(name, *a, **kw):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    cfg.set(WANDB_PROJECT="mine")
+    assert "WANDB_PROJECT=mine needs the wandb package" in cfg.check()
+    cfg.set(WANDB_PROJECT="", DEVICE="cpu", DRAFTER_FP8=True)
+    assert "DRAFTER_FP8 needs an SM89+ GPU" in cfg.check()
+    cfg.set(DRAFTER_FP8=False)
+    assert cfg.check() == ""
+    if not torch.cuda.is_available():
+        cfg.set(DEVICE="cuda")
+        assert "DEVICE=cuda but torch sees no CUDA device" in cfg.check()
+
+
+def test_out_dir_that_is_a_file_and_target_without_weights(cfg, tiny_llama_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg.set(OUT_DIR=str(tmp_path / "file"))
+    assert f"OUT_DIR={tmp_path / 'file'} is a file, not a folder" in cfg.check()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    cfg.set(OUT_DIR=str(tmp_path / "out"), TARGET=str(bare))
+    assert f"TARGET={bare} has a config.json but no weights" in cfg.check()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 10, 300])
+@pytest.mark.parametrize("ratio", [0.0, 0.001, 0.04, 0.3, 0.999])
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_lr_never_exceeds_the_peak(steps, ratio, per_step):
+    s = Schedule(10_000, 1, 1, grad_accum=per_step, epochs=1, max_steps=steps)
+    lrs = [lr_at(s.g0 + i * s.per_step, s.planned_g, td.LR, ratio) for i in range(s.steps)]
+    assert max(lrs) <= td.LR, (max(lrs), td.LR)
+    assert all(x >= 0 for x in lrs)
+    if ratio * s.planned_g >= 2 * per_step:   # a real warmup: it rises, then the cosine falls
+        assert lrs[0] < lrs[len(lrs) // 10 + 1] or lrs[0] < max(lrs)
+
+
+def test_max_steps_is_the_run_length_whatever_the_epochs():
+    """MAX_STEPS set: the run takes that many optimizer steps, the data repeating as often as needed (a 10-batch
+    epoch, EPOCHS=1, 25 steps of 2 micro-batches = 5 passes); MAX_STEPS=0: EPOCHS passes."""
+    s = Schedule(10, 1, 1, grad_accum=2, epochs=1, max_steps=25)
+    assert (s.steps, s.planned_g) == (25, 50)
+    s = Schedule(10, 1, 1, grad_accum=2, epochs=3, max_steps=0)
+    assert (s.steps, s.planned_g) == (15, 30)
+
+
+def test_overrides_set_typed_values_and_refuse_unknown_names():
+    defaults = {"LR": 6e-4, "COMPILE_TARGET": False, "RESUME": "auto"}
+    c, given = settings.parse_overrides(["--LR=1e-3", "--COMPILE_TARGET=yes"], defaults, td.REPO / "train_dflash.py")
+    assert c == {"LR": 1e-3, "COMPILE_TARGET": True, "RESUME": "auto"} and given == {"LR", "COMPILE_TARGET"}
+    assert defaults["LR"] == 6e-4                                     # the defaults are not changed
+    with pytest.raises(SystemExit, match="unknown setting --LRR .*did you mean LR"):
+        settings.parse_overrides(["--LRR=1"], defaults, td.REPO / "train_dflash.py")
+    with pytest.raises(SystemExit, match="not a valid float"):
+        settings.parse_overrides(["--LR=fast"], defaults, td.REPO / "train_dflash.py")
+
+
+def test_help_lists_every_constant_with_its_comment_in_its_group():
+    text = settings.help_text(td.REPO / "train_dflash.py")
+    lines = text.splitlines()
+    for k in td.CONFIG_KEYS:
+        assert any(l.startswith(f"  --{k}=") for l in lines), f"--help lacks {k}"
+    lr = next(l for l in lines if l.startswith("  --LR="))
+    assert lr.split()[0] == "--LR=6e-4" and "peak learning rate" in lr
+    groups = [l for l in lines if l.endswith(":") and not l.startswith(" ")]
+    assert groups[:2] == ["what to train:", "objective:"], groups
+    # a constant's continuation comment follows it
+    anchors = lines.index(next(l for l in lines if l.startswith("  --MAX_ANCHORS=")))
+    assert "1K tokens" in lines[anchors + 1]
+    assert lines.index("optimisation:") < lines.index(next(l for l in lines if l.startswith("  --GRAD_CLIP=")))
+
+
+@pytest.mark.job
+def test_help_prints_instead_of_an_error():
+    r = subprocess.run([sys.executable, str(td.REPO / "train_dflash.py"), "--help"], capture_output=True, text=True,
+                       cwd=td.REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--TOKEN_BUDGET=16384" in r.stdout and "tokens per micro-batch" in r.stdout
+    assert "error" not in r.stdout + r.stderr.lower().replace("failed to load", "")
+
+
+def test_init_from_a_target_folder_says_it_is_not_a_drafter(tiny_qwen3_dir):
+    """INIT_FROM pointed at a target (or any HF model folder) instead of an exported drafter: a message that says
+    what the folder is and what INIT_FROM takes, not a KeyError from the config reader."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from model.drafter import DrafterConfig
+    dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tiny_qwen3_dir, local_files_only=True), 1, 4,
+                                     mask_token_id=127)
+    c = SimpleNamespace(INIT_FROM=str(tiny_qwen3_dir), TARGET=str(tiny_qwen3_dir))
+    with pytest.raises(SystemExit, match=r"is not an exported drafter .*a target or other HF model folder\?\). "
+                                         r"INIT_FROM takes a drafter this trainer exported"):
+        settings.check_init_from(c, dcfg)
+
+
+def test_configuration_page_documents_every_constant_with_its_default():
+    """docs/configuration.md explains each constant; its default is the one written beside the constant."""
+    import re
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    missing = [k for k in td.CONFIG_KEYS if f"| `{k}` |" not in page]
+    assert not missing, f"docs/configuration.md's table lacks {missing}"
+    shown = {m[1]: m[2] for m in re.finditer(r"^\| `([A-Z_0-9]+)` \| `([^`]*)` \|", page, re.M)}
+    stale = [(k, shown.get(k), v) for kind, k, v, *_ in
+             (x for x in settings.constant_lines(td.REPO / "train_dflash.py") if x[0] == "constant") if shown.get(k) != v]
+    assert not stale, f"docs/configuration.md's defaults differ from train_dflash.py's (name, page, code): {stale}"
+
+
+def test_a_range_is_read_from_the_constants_comment(tmp_path):
+    src = tmp_path / "prog.py"
+    src.write_text("# --- s ---\nA = 1   # [>= 1] things\nB = 0.5   # [> 0] seconds\nC = 2   # no range\n"
+                   "CONFIG_KEYS = []\n")
+    assert settings.ranges_of(src) == {"A": (1, False), "B": (0, True)}
+    assert "  --B=0.5" in settings.help_text(src) and "[> 0] seconds" in settings.help_text(src)
+
+
+def test_a_hub_id_target_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    """TARGET=org/name: its snapshot folder in the local Hugging Face cache, never the network; absent, an error
+    naming the cache folder looked in."""
+    from test_target import fake_hub_cache
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    c = {"TARGET": "Qwen/Qwen3-8B", "DATA": "prepared"}
+    with pytest.raises(SystemExit, match=rf"error: TARGET: model Qwen/Qwen3-8B: not in the Hugging Face cache "
+                                         rf"{tmp_path / 'hub'}"):
+        settings.resolve_paths(c)
+    snap = fake_hub_cache(tmp_path / "hub")
+    settings.resolve_paths(c)
+    assert c == {"TARGET": str(snap), "DATA": "prepared"}
+
+
+def test_eval_dflash_takes_a_hub_id_target(tmp_path, monkeypatch, tiny_qwen3_dir):
+    import shutil
+    from types import SimpleNamespace
+
+    import eval_dflash
+    from test_target import fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = fake_hub_cache(tmp_path / "hub", files=())
+    for f in tiny_qwen3_dir.iterdir():
+        shutil.copy(f, snap / f.name)
+    a = SimpleNamespace(target="Qwen/Qwen3-8B", max_new_tokens=8, limit=None, block_size=None, tree_budget=0,
+                        tree_top_k=4, workers=1, method="decode", attention="sdpa", drafter=[])
+    errs = eval_dflash.check_args(a)
+    assert a.target == str(snap) and not any("--target" in e for e in errs), errs
+
+
+def test_in_training_evaluation_leaves_out_what_the_template_refuses(monkeypatch, no_system_target, tiny_smollm2,
+                                                                      capsys):
+    """The default EVAL_PROMPTS (the broad set) with a target whose template has no system role: the system
+    category is left out, said once at start-up, and EVAL_LIMIT is dealt over the other nine categories; a
+    template that takes them keeps all ten."""
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(td, "EVAL_PROMPTS", "")
+    monkeypatch.setattr(td, "EVAL_LIMIT", 20)
+    got = roles.eval_inputs(td.constants(), AutoTokenizer.from_pretrained(no_system_target), {})
+    cats = [r["category"] for r in got["prompts"]]
+    assert len(cats) == 20 and "system" not in cats and len(set(cats)) == 9
+    assert "note: EVAL_PROMPTS: the target's chat template refuses 30 of 313 prompts" in capsys.readouterr().out
+    full = roles.eval_inputs(td.constants(), AutoTokenizer.from_pretrained(tiny_smollm2), {})
+    assert len({r["category"] for r in full["prompts"]}) == 10 and "note:" not in capsys.readouterr().out
