@@ -1,0 +1,284 @@
+"""DFlash2: identity init == the DFlash backbone, block-local convolutions, the selector's walk and loss against
+slow references, warm start from DFlash, the export's config and weight names."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.dflash2 import (DFlash2Config, DFlash2Drafter, block_conv, candidates, dflash2_keys, selector_lattice,
+                           selector_loss, selector_walk, training_candidates, walk_lattice, warm_start)
+from model.drafter import Drafter
+from model.objective import weighted_ce
+from test_drafter import packed_batch, run
+
+
+@pytest.fixture(scope="module")
+def build_dflash2(build_drafter):
+    """build_dflash2(target_dir, seed=0, **dflash2) -> (DFlash2Drafter, the DFlash Drafter it was built from); tiny
+    hidden 64 -> conv_group_size 16 gives 4 groups; vocab 128."""
+    def build(target_dir, seed=0, num_layers=2, block_size=4, sliding_window_layers=0, **dflash2):
+        dflash = build_drafter(target_dir, num_layers=num_layers, block_size=block_size, seed=seed,
+                               sliding_window_layers=sliding_window_layers,
+                               sliding_window=64 if sliding_window_layers else None)
+        dflash2.setdefault("selector_rank", 8)
+        dflash2.setdefault("selector_top_k", 4)
+        torch.manual_seed(seed + 1)
+        d2 = DFlash2Drafter(DFlash2Config.from_drafter(dflash.config, **dflash2))
+        warm_start(d2, dflash.state_dict())
+        return d2, dflash
+    return build
+
+
+def randomize_dflash2(d2, seed=0, scale=0.3):
+    """Non-trivial convolutions and transition: random base kernels and projections, a non-zero successor book."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for k in sorted(dflash2_keys(d2)):
+            p = d2.get_parameter(k)
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+# ---------------------------------------------------------------------------
+# Identity init and warm start
+
+@pytest.mark.parametrize("sliding", [0, 2])
+def test_fresh_dflash2_is_its_dflash_backbone(build_dflash2, tiny_qwen3_dir, sliding):
+    d2, d1 = build_dflash2(tiny_qwen3_dir, sliding_window_layers=sliding)
+    b = packed_batch(d1)
+    assert torch.equal(run(d2, b), run(d1, b))                       # bitwise: the identity multiplies by 1, adds 0
+    # and the T=0 proposal is the unary argmax (zero transition)
+    h = run(d2, b)[:, 1:]                                             # [N, B-1, H]
+    anchors = b["blocks"].ids[:, 0]
+    assert torch.equal(selector_walk(d2.candidate_selector, h, b["emb"], anchors), (h @ b["emb"].T).argmax(-1))
+
+
+def test_warm_start_is_strict_on_the_backbone(build_dflash2, tiny_qwen3_dir):
+    d2, d1 = build_dflash2(tiny_qwen3_dir)
+    sd = d2.state_dict()
+    for k, v in d1.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    assert set(sd) - set(d1.state_dict()) == dflash2_keys(d2)
+    bad = dict(d1.state_dict())
+    bad.pop("layers.0.mlp.up_proj.weight")
+    with pytest.raises(AssertionError, match="backbone keys missing"):
+        warm_start(d2, bad)
+    with pytest.raises(AssertionError, match="already holds DFlash2 keys"):
+        warm_start(d2, d2.state_dict())
+
+
+def test_the_convolutions_train_from_identity(build_dflash2, tiny_qwen3_dir):
+    """At init the dynamic projections get gradients (the identity is not a dead point)."""
+    d2, _ = build_dflash2(tiny_qwen3_dir)
+    b = packed_batch(d2)
+    bl = b["blocks"]
+    attn = d2.attn_spec(bl.anchor_idx, bl.anchor_doc, b["doc"])
+    out = d2(b["feats"], b["pos"], b["emb"][bl.ids.flatten()], bl.positions.flatten(), attn)
+    out.square().sum().backward()
+    for layer in d2.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            assert conv.kernel_projection.weight.grad.abs().sum() > 0
+            assert conv.base_kernel.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------
+# The convolution stays inside its block
+
+def test_block_conv_matches_a_loop():
+    g = torch.Generator().manual_seed(0)
+    B, N, H, G, taps = 5, 3, 8, 2, 3
+    M = N * B - 2                                                      # a last partial block
+    x, coef, base = torch.randn(M, H, generator=g), torch.randn(M, taps, G, generator=g), torch.randn(taps, H,
+                                                                                                      generator=g)
+    want = torch.zeros(M, H)
+    for m in range(M):
+        for j in range(taps):
+            if m % B >= j:
+                want[m] += (base[j] + coef[m, j].repeat_interleave(H // G)) * x[m - j]
+    torch.testing.assert_close(block_conv(x, coef, base, B), want)
+
+
+def test_previous_blocks_tokens_never_reach_the_next_blocks_convolutions(build_dflash2, tiny_qwen3_dir):
+    """Each convolution's input and output, hooked, for a change of one block's rows: the rows of every other block
+    are untouched at every convolution (attention alone is the path between blocks, and blocks never see each
+    other); slot 0 of a block reads zero before it."""
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4)
+    randomize_dflash2(d2)
+    b = packed_batch(d2)
+    bl = b["blocks"]
+    attn = d2.attn_spec(bl.anchor_idx, bl.anchor_doc, b["doc"])
+    B, N = bl.ids.shape[1], bl.ids.shape[0]
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(out[0] if isinstance(out, tuple) else out)
+    handles = [m.register_forward_hook(hook) for layer in d2.layers for m in (layer.attention_conv, layer.mlp_conv)]
+
+    def outputs(emb):
+        seen.clear()
+        with torch.no_grad():
+            d2(b["feats"], b["pos"], emb, bl.positions.flatten(), attn)
+        return [t.view(N, B, -1).clone() for t in seen]
+    emb = b["emb"][bl.ids.flatten()]
+    base = outputs(emb)
+    for n in range(N - 1):
+        moved = emb.clone()
+        moved[n * B:(n + 1) * B] += torch.randn(B, emb.shape[1])       # tokens of block n (its anchor included)
+        for got, want in zip(outputs(moved), base):
+            others = [m for m in range(N) if m != n]
+            assert torch.equal(got[others], want[others])
+            assert not torch.equal(got[n], want[n])
+    for h in handles:
+        h.remove()
+    # slot 0 reads zero: the first row of a block equals the conv of that row alone
+    x, coef = torch.randn(2 * B, 64), torch.randn(2 * B, 2, 4)
+    conv = d2.layers[0].attention_conv
+    full = torch.stack([block_conv(x, coef, conv.base_kernel[0].detach(), B)[i] for i in (0, B)])
+    alone = torch.stack([block_conv(x[i:i + 1], coef[i:i + 1], conv.base_kernel[0].detach(), B)[0] for i in (0, B)])
+    assert torch.equal(full, alone)
+
+
+def test_step_matches_the_packed_forward(build_dflash2, tiny_qwen3_dir):
+    """The inference path (context KV cache, one block) applies the same convolutions as training's packed
+    forward: the block of an anchor right after the context gives the same states both ways."""
+    from model.drafter import DrafterCache
+    from model.objective import pack
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4)
+    randomize_dflash2(d2)
+    cfg = d2.config
+    g = torch.Generator().manual_seed(3)
+    T, B = 10, cfg.block_size
+    doc, pos = pack(torch.tensor([T + B]))
+    feats = torch.randn(T + B, cfg.num_taps * cfg.hidden_size, generator=g)
+    emb = torch.randn(B, cfg.hidden_size, generator=g)
+    anchor = torch.tensor([T])
+    attn = d2.attn_spec(anchor, torch.zeros(1, dtype=torch.long), doc)
+    with torch.no_grad():
+        packed = d2(feats, pos, emb, torch.arange(T, T + B), attn)
+        cache = DrafterCache(d2)
+        cache.append(feats[:T], pos[:T])
+        stepped = d2.step(cache, emb, torch.arange(T, T + B))
+    torch.testing.assert_close(stepped, packed, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# The selector's T=0 walk
+
+def brute_walk(sel, hidden, W, anchors):
+    """One block and one slot at a time, each candidate's score from its definition."""
+    n, S, _ = hidden.shape
+    out = torch.zeros(n, S, dtype=torch.long)
+    for i in range(n):
+        prev = int(anchors[i])
+        for s in range(S):
+            h = hidden[i, s]
+            logits = W @ h
+            best, best_id = None, None
+            for c in logits.topk(sel.top_k).indices.tolist():
+                bil = sum(float(sel.predecessor_codebook[prev, r]) * float(sel.hidden_projection.weight[r] @ h)
+                          * float(sel.successor_codebook[c, r]) for r in range(sel.predecessor_codebook.shape[1]))
+                score = float(logits[c]) + bil
+                if best is None or score > best:
+                    best, best_id = score, c
+            out[i, s] = best_id
+            prev = best_id
+    return out
+
+
+def test_selector_walk_equals_brute_force(build_dflash2, tiny_qwen3_dir):
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=6, selector_top_k=5)
+    randomize_dflash2(d2, scale=2.0)                                   # a transition strong enough to reorder
+    g = torch.Generator().manual_seed(1)
+    n, S, H, V = 7, 5, d2.config.hidden_size, d2.config.vocab_size
+    hidden, W = torch.randn(n, S, H, generator=g), torch.randn(V, H, generator=g)
+    anchors = torch.randint(0, V, (n,), generator=g)
+    sel = d2.candidate_selector
+    with torch.no_grad():
+        got = selector_walk(sel, hidden, W, anchors)
+        assert torch.equal(got, brute_walk(sel, hidden, W, anchors))
+        assert not torch.equal(got, (hidden @ W.T).argmax(-1))        # the selector changed some picks
+        # the lattice's edge from slot s-1's pick is the walk's score
+        vals, ids = candidates(hidden, W, sel.top_k)
+        lat = selector_lattice(sel, hidden, vals, ids, anchors)
+        assert torch.equal(walk_lattice(lat, ids), got)
+
+
+# ---------------------------------------------------------------------------
+# The selector loss
+
+def slow_selector_loss(sel, hidden, W, labels, rows, w):
+    """Full logits, top-K, gold injection and the K-way CE row by row."""
+    total, ces = 0.0, []
+    for r, wr in zip(rows.tolist(), w.tolist()):
+        h, gold, prev = hidden[r], int(labels[r]), int(labels[r - 1])
+        logits = W @ h
+        cand = logits.topk(sel.top_k).indices.tolist()
+        if gold not in cand:
+            cand[-1] = gold
+        ctx = sel.predecessor_codebook[prev] * sel.hidden_projection(h)
+        scores = torch.stack([logits[c] + ctx @ sel.successor_codebook[c] for c in cand])
+        ce = F.cross_entropy(scores[None], torch.tensor([cand.index(gold)]))
+        ces.append(ce.detach())
+        total = total + wr * ce
+    return total, torch.stack(ces)
+
+
+def test_training_candidates_inject_a_missing_gold():
+    top = torch.tensor([[5, 3, 9], [1, 2, 4]])
+    cand, target, hit = training_candidates(top, torch.tensor([3, 7]))
+    assert cand.tolist() == [[5, 3, 9], [1, 2, 7]] and target.tolist() == [1, 2] and hit.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 1000])
+def test_selector_loss_equals_a_slow_reference(build_dflash2, tiny_qwen3_dir, chunk):
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4, selector_top_k=4)
+    randomize_dflash2(d2)
+    b = packed_batch(d2)
+    bl = b["blocks"]
+    labels, weights = bl.labels.flatten(), bl.weights.flatten()
+    rows = (weights > 0).nonzero().squeeze(1)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(labels.shape[0], d2.config.hidden_size, generator=g, requires_grad=True)
+    W = b["emb"] * 0.5 + torch.randn(b["emb"].shape, generator=g) * 0.5
+    sel = d2.candidate_selector
+    parts = weighted_ce(hidden, W, labels, weights, chunk, rows=rows, top_k=sel.top_k)
+    got = selector_loss(sel, hidden, W, labels, rows, weights[rows], parts.top_ids, chunk)
+    want, want_ce = slow_selector_loss(sel, hidden, W, labels, rows, weights[rows])
+    assert got.hit.sum() < len(rows)                                   # some golds were injected
+    torch.testing.assert_close(got.loss_sum, want)
+    torch.testing.assert_close(got.ce, want_ce)
+    params = [hidden, sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
+    g_got = torch.autograd.grad(got.loss_sum, params)
+    g_want = torch.autograd.grad(want, params)
+    for a, c in zip(g_got, g_want):
+        torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("weighting", ["exp", "dpace"])
+def test_dflash2_loss_chunked_equals_unchunked(build_dflash2, tiny_qwen3_dir, weighting):
+    """Block CE + alpha x selector CE under one set of weights, chunked over rows (top-K from the chunk loop) ==
+    unchunked (full logits), in value and gradients; alpha = 0 is the block loss alone."""
+    from model.dflash2 import dflash2_loss
+    from model.objective import block_loss, prepare
+    from types import SimpleNamespace
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4, selector_top_k=4)
+    randomize_dflash2(d2)
+    cfg = d2.config
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([14, 9, 11])
+    T = int(lengths.sum())
+    packet = SimpleNamespace(g=0, lengths=lengths, num_tokens=T, input_ids=torch.randint(0, cfg.vocab_size - 1, (T,),
+                             generator=g), loss_mask=torch.ones(T, dtype=torch.uint8),
+                             features=torch.randn(T, cfg.num_taps * cfg.hidden_size, generator=g))
+    item = prepare(packet, cfg, seed=0, max_anchors=6, min_per_doc=1, gamma=4.0)
+    hidden = torch.randn(item.labels.shape[0], cfg.hidden_size, generator=g, requires_grad=True)
+    W = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    res = {}
+    for chunk in (0, 5):
+        parts, sel = dflash2_loss(d2, hidden, W, item, weighting, 0.5, chunk, alpha=0.7)
+        grads = torch.autograd.grad(parts.loss_sum, [hidden, d2.candidate_selector.successor_codebook])
+        res[chunk] = (parts.loss_sum.detach(), sel.loss_sum.detach(), grads)
+    for a, c in zip(res[0][:2] + res[0][2], res[5][:2] + res[5][2]):
+        torch.testing.assert_close(a, c)
+    block = block_loss(hidden, W, item, cfg.block_size, weighting, 0.5, 5)
+    torch.testing.assert_close(res[5][0], block.loss_sum.detach() + 0.7 * res[5][1])
