@@ -282,3 +282,35 @@ def test_dflash2_loss_chunked_equals_unchunked(build_dflash2, tiny_qwen3_dir, we
         torch.testing.assert_close(a, c)
     block = block_loss(hidden, W, item, cfg.block_size, weighting, 0.5, 5)
     torch.testing.assert_close(res[5][0], block.loss_sum.detach() + 0.7 * res[5][1])
+
+
+# ---------------------------------------------------------------------------
+# Export
+
+def test_export_config_and_weight_names(build_dflash2, tiny_qwen3_dir, tmp_path):
+    from safetensors import safe_open
+    from model.export import export_dflash2, load_dflash2
+    d2, _ = build_dflash2(tiny_qwen3_dir, num_layers=2, block_size=4, selector_rank=8, selector_top_k=4)
+    randomize_dflash2(d2)
+    out = export_dflash2(d2, tmp_path / "export", dtype=torch.float32)
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["DFlash2DraftModel"]
+    assert c["dflash_config"] == {"mask_token_id": d2.config.mask_token_id,
+                                  "target_layer_ids": d2.config.target_layer_ids, "conv_kernel_size": 2,
+                                  "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+    H, V = d2.config.hidden_size, d2.config.vocab_size
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    for i in range(2):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert shapes[f"layers.{i}.{conv}.base_kernel"] == (2, 2, H)
+            assert shapes[f"layers.{i}.{conv}.kernel_projection.weight"] == (2 * 2 * H // 16, H)
+    assert shapes["candidate_selector.predecessor_codebook"] == (V, 8)
+    assert shapes["candidate_selector.successor_codebook"] == (V, 8)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (8, H)
+    assert set(shapes) == set(d2.state_dict())
+    back = load_dflash2(out)
+    assert isinstance(back, DFlash2Drafter) and back.config == d2.config
+    for k, v in d2.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    assert not isinstance(back, Drafter) or back.config.selector_top_k == 4
