@@ -23,7 +23,7 @@ chosen (or verified) at slot k-1 and a candidate c among the unary top-K:
 At T=0 the draft walks from the verified anchor, taking at each slot the best-scoring candidate given the one before
 (selector_walk). successor_codebook starts at zero (SpecForge's choice), so a fresh selector walks the unary argmax.
 
-Training (selector_loss, dflash2_loss): the block CE of DFlash plus alpha x a K-way CE over the unary top-K, teacher
+Training (model/dflash2_loss.py): the block CE of DFlash plus alpha x a K-way CE over the unary top-K, teacher
 forced (the predecessor of slot k is the gold token of slot k-1, the anchor's token for slot 1), with the gold token
 put in place of the K-th candidate when the top-K misses it (speculators' variant: a K-way CE always has its label,
 and the candidate set stays the one serving scores), weighted by the block CE's own position weights (exp decay or
@@ -39,7 +39,7 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   resume of a DFlash2 checkpoint is strict as today.
 - settings.py: DRAFTER_ARCH; CONV_KERNEL_SIZE (1..B), CONV_GROUP_SIZE (divides H), SELECTOR_RANK (>= 1),
   SELECTOR_TOP_K (1..V), SELECTOR_ALPHA (>= 0, 1.0 in speculators); snapshot them into logs and checkpoints.
-- step.py: dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x selector, so the
+- step.py: dflash2_loss.dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x selector, so the
   division by the global sum of w is unchanged); the drafter forward is unchanged (DFlash2Drafter.forward).
 - optim.py param_chunks: the convs live in layers.{i} (covered by the layer chunks), the selector is a new chunk
   after the final norm (and params_ready(L+2) before the loss reads it); weight decay: base_kernel and the codebooks
@@ -55,16 +55,15 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   already applies the convs (a block is B contiguous rows; a partial last block is allowed).
 - export: export.export_dflash2 / load_dflash2 (DFlash2DraftModel config); modeling_dflash.py's spec_generate for
   DFlash2 is not written yet; the model card's serving commands are DFlash's.
-- in-training eval metrics: unary recall@K (SelectorParts.hit), teacher-forced selector accuracy
-  (SelectorParts.correct), the accepted length of the selector's own path (selector_walk per block from its anchor,
-  compared with the labels as objective.block_metrics' streak does) next to the unary one.
+- in-training eval metrics: dflash2_loss.selector_metrics (unary recall@K, teacher-forced selector accuracy, the
+  accepted length of the selector's own path from each anchor), all-reduced and logged beside block_metrics' acc and
+  streak.
 """
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .drafter import DecoderLayer, Drafter, DrafterConfig
 
@@ -284,83 +283,3 @@ def selector_walk(selector, hidden, lm_head_weight, anchor_ids):
     verified anchors -> tokens [n, S]."""
     vals, ids = candidates(hidden, lm_head_weight, selector.top_k)
     return walk_lattice(selector_lattice(selector, hidden, vals, ids, anchor_ids), ids)
-
-
-# ---------------------------------------------------------------------------
-# Selector loss on the packed layout
-
-class _CandidateLogits(torch.autograd.Function):
-    """h [R, H], W [V, H] (frozen), cand [R, K] -> h_r . W[cand[r, k]] [R, K] fp32, chunk by chunk: only [c, K, H]
-    lm_head rows at a time, in the forward and in the backward."""
-
-    @staticmethod
-    def forward(ctx, h, W, cand, chunk_size):
-        assert not ctx.needs_input_grad[1], "the selector loss reads a frozen lm_head"
-        out = torch.empty(cand.shape, dtype=torch.float32, device=h.device)
-        step = chunk_size or h.shape[0] or 1
-        for s in range(0, h.shape[0], step):
-            out[s:s + step] = torch.einsum("ch,ckh->ck", h[s:s + step], W[cand[s:s + step]].to(h.dtype)).float()
-        ctx.save_for_backward(W, cand)
-        ctx.chunk_size, ctx.h_dtype = step, h.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        W, cand = ctx.saved_tensors
-        step = ctx.chunk_size
-        gh = torch.empty(cand.shape[0], W.shape[1], dtype=ctx.h_dtype, device=grad.device)
-        for s in range(0, cand.shape[0], step):
-            gh[s:s + step] = torch.einsum("ck,ckh->ch", grad[s:s + step].float(),
-                                          W[cand[s:s + step]].float()).to(ctx.h_dtype)
-        return gh, None, None, None
-
-
-def training_candidates(top_ids, gold):
-    """top_ids [R, K] unary top-K, gold [R] -> (candidates [R, K] with gold in place of the K-th where the top-K
-    misses it, the gold's index [R], hit [R] bool: gold was in the unary top-K)."""
-    K = top_ids.shape[1]
-    match = top_ids == gold[:, None]                                                   # [R, K]
-    hit = match.any(1)
-    cand = top_ids.clone()
-    cand[:, -1] = torch.where(hit, top_ids[:, -1], gold)
-    target = torch.where(hit, match.int().argmax(1), torch.full_like(gold, K - 1))
-    return cand, target, hit
-
-
-@dataclass
-class SelectorParts:
-    loss_sum: torch.Tensor     # 0-dim, sum_r w_r * CE_sel_r, carries grad
-    ce: torch.Tensor           # [R] fp32 selector CE of each row (no grad)
-    correct: torch.Tensor      # [R] bool: teacher-forced pick == gold (and gold was a real candidate)
-    hit: torch.Tensor          # [R] bool: gold in the unary top-K (recall@K)
-
-
-def selector_loss(selector, hidden, lm_head_weight, labels, rows, w, top_ids, chunk_size=4096) -> SelectorParts:
-    """hidden [M, H] (M = N*B), labels [M] (slot 0 of a block holds its anchor's token), rows [R] the supervised
-    slots (k >= 1), w [R] their weights (no grad), top_ids [R, K] the unary top-K of those rows
-    (objective.weighted_ce(top_k=K).top_ids) -> the K-way teacher-forced selector CE."""
-    h, gold, prev = hidden[rows], labels[rows], labels[rows - 1]          # slot k's predecessor: slot k-1's gold
-    cand, target, hit = training_candidates(top_ids, gold)
-    W = lm_head_weight.detach()
-    if not torch.is_grad_enabled():
-        h = h.detach()
-    scores = _CandidateLogits.apply(h, W, cand, chunk_size) + selector.transition(h, prev, cand)   # [R, K]
-    ce = F.cross_entropy(scores, target, reduction="none")                                        # [R]
-    correct = hit & (scores.argmax(1) == target)
-    return SelectorParts(loss_sum=(ce * w.float()).sum(), ce=ce.detach(), correct=correct, hit=hit)
-
-
-def dflash2_loss(drafter, hidden, lm_head_weight, item, weighting, dpace_alpha, chunk_size, alpha):
-    """objective.block_loss plus alpha x the selector CE under the same weights, for a Prepared micro-batch (hidden
-    [N*B, H]) -> (LossParts whose loss_sum is block + alpha x selector, SelectorParts). The step divides the
-    gradients by the global sum of the same w, unchanged."""
-    from model import objective   # here: exports ship this file beside drafter.py without the trainer's objective
-    assert weighting in objective.WEIGHTINGS, f"LOSS_WEIGHTING={weighting!r}"
-    B, K = drafter.config.block_size, drafter.config.selector_top_k
-    reweight = objective.dpace_reweight(item.weights, item.rows, B, dpace_alpha) if weighting == "dpace" else None
-    parts = objective.weighted_ce(hidden, lm_head_weight, item.labels, item.weights, chunk_size, rows=item.rows,
-                                  reweight=reweight, top_k=K)
-    w = reweight(parts.ce) if reweight else item.weights.index_select(0, item.rows)            # [R], no grad
-    W = lm_head_weight.weight if isinstance(lm_head_weight, objective.HeadFP8) else lm_head_weight
-    sel = selector_loss(drafter.candidate_selector, hidden, W, item.labels, item.rows, w, parts.top_ids, chunk_size)
-    return dataclasses.replace(parts, loss_sum=parts.loss_sum + alpha * sel.loss_sum), sel

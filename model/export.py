@@ -1,7 +1,7 @@
 """Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields), model.safetensors with bare
 keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (docs/ALGORITHM.md, section 4), and the
 modeling code for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`:
-modeling_dflash.py with this project's drafter.py and attention.py beside it (REMOTE_CODE); and a README.md model card
+modeling_dflash.py with this project's drafter.py, attention.py and dflash2.py beside it (REMOTE_CODE); and a README.md model card
 with what the drafter was trained for and the commands that serve it (model_card)."""
 import json
 import os
@@ -17,7 +17,7 @@ from model.drafter import Drafter, DrafterConfig
 from model.hub import HUB_ID
 
 MODEL_DIR = Path(__file__).resolve().parent
-REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py")   # copied into every export, as they are
+REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py", "dflash2.py")   # copied into every export, as is
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -77,22 +77,20 @@ def export_dflash2(drafter: DFlash2Drafter, out_dir, dtype=torch.bfloat16, state
     """export_drafter of a DFlash2 drafter: its config (serving_config_dflash2), its weights under the names the
     engines read (layers.{i}.attention_conv / mlp_conv.base_kernel [2, taps, H] and .kernel_projection.weight
     [2 * taps * H / group, H]; candidate_selector.predecessor_codebook and successor_codebook [V, rank],
-    candidate_selector.hidden_projection.weight [rank, H]), and model/dflash2.py beside the modeling code."""
-    return export_drafter(drafter, out_dir, dtype, state, config=serving_config_dflash2(drafter.config, dtype),
-                          extra_code=("dflash2.py",), **card)
+    candidate_selector.hidden_projection.weight [rank, H]); modeling_dflash.DFlash2DraftModel runs it."""
+    return export_drafter(drafter, out_dir, dtype, state, config=serving_config_dflash2(drafter.config, dtype), **card)
 
 
 def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, *, target=None,
-                   target_fingerprint=None, step=None, data=None, evaluation=None, config=None,
-                   extra_code=()) -> Path:
+                   target_fingerprint=None, step=None, data=None, evaluation=None, config=None) -> Path:
     """Write config.json, model.safetensors, the modeling code (REMOTE_CODE) and README.md to out_dir atomically (tmp
     folder, then os.replace). dtype: the weights' on the way out; bf16 by default, what serving runs next to a bf16
     target (the trainer's fp32 master weights stay in its state.pt). state: the whole state dict to write instead of
     drafter.state_dict() (a sharded drafter's, gathered: checkpoint.full_state). The rest only feeds the model card
     (model_card), each optional: target (its Hub id or folder), target_fingerprint (checkpoint.target_fingerprint),
     step (optimizer steps trained), data (a dict summarising the data, e.g. data.loader.Data.fingerprint()),
-    evaluation (eval_dflash.evaluate's result at this step: tau, tau_by_category, lossless, prompts). config, extra_code:
-    another architecture's config.json and the model/ files its modeling code needs (export_dflash2)."""
+    evaluation (eval_dflash.evaluate's result at this step: tau, tau_by_category, lossless, prompts). config: another
+    architecture's config.json (export_dflash2)."""
     out = Path(out_dir)
     state = drafter.state_dict() if state is None else state
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
@@ -102,7 +100,7 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, 
     with open(tmp / "config.json", "w") as f:
         json.dump(config or serving_config(drafter.config, dtype), f, indent=2)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for name in REMOTE_CODE + tuple(extra_code):
+    for name in REMOTE_CODE:
         shutil.copyfile(MODEL_DIR / name, tmp / name)
     card = model_card(drafter.config, dtype, target, target_fingerprint, step, data, evaluation)
     (tmp / "README.md").write_text(card)

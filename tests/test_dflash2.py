@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from model.dflash2 import (DFlash2Config, DFlash2Drafter, block_conv, candidates, dflash2_keys, selector_lattice,
-                           selector_loss, selector_walk, training_candidates, walk_lattice, warm_start)
-from model.drafter import Drafter
-from model.objective import weighted_ce
+                           selector_walk, walk_lattice, warm_start)
+from model.dflash2_loss import dflash2_loss, selector_loss, selector_metrics, training_candidates
+from model.objective import block_metrics, weighted_ce
 from test_drafter import packed_batch, run
 
 
@@ -254,25 +254,32 @@ def test_selector_loss_equals_a_slow_reference(build_dflash2, tiny_qwen3_dir, ch
         torch.testing.assert_close(a, c)
 
 
+def prepared_item(cfg, seed=4):
+    """A Prepared micro-batch (objective.prepare) of three documents, with random hidden states and lm_head."""
+    from types import SimpleNamespace
+    from model.objective import prepare
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([14, 9, 11])
+    T = int(lengths.sum())
+    ids = torch.randint(0, cfg.vocab_size - 1, (T,), generator=g)
+    loss_mask = torch.ones(T, dtype=torch.uint8)
+    loss_mask[20:23] = 0                                               # some unsupervised slots inside the blocks
+    packet = SimpleNamespace(g=0, lengths=lengths, num_tokens=T, input_ids=ids, loss_mask=loss_mask,
+                             features=torch.randn(T, cfg.num_taps * cfg.hidden_size, generator=g))
+    item = prepare(packet, cfg, seed=0, max_anchors=8, min_per_doc=1, gamma=4.0)
+    hidden = torch.randn(item.labels.shape[0], cfg.hidden_size, generator=g, requires_grad=True)
+    return item, hidden, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+
+
 @pytest.mark.parametrize("weighting", ["exp", "dpace"])
 def test_dflash2_loss_chunked_equals_unchunked(build_dflash2, tiny_qwen3_dir, weighting):
     """Block CE + alpha x selector CE under one set of weights, chunked over rows (top-K from the chunk loop) ==
     unchunked (full logits), in value and gradients; alpha = 0 is the block loss alone."""
-    from model.dflash2 import dflash2_loss
-    from model.objective import block_loss, prepare
-    from types import SimpleNamespace
+    from model.objective import block_loss
     d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4, selector_top_k=4)
     randomize_dflash2(d2)
     cfg = d2.config
-    g = torch.Generator().manual_seed(4)
-    lengths = torch.tensor([14, 9, 11])
-    T = int(lengths.sum())
-    packet = SimpleNamespace(g=0, lengths=lengths, num_tokens=T, input_ids=torch.randint(0, cfg.vocab_size - 1, (T,),
-                             generator=g), loss_mask=torch.ones(T, dtype=torch.uint8),
-                             features=torch.randn(T, cfg.num_taps * cfg.hidden_size, generator=g))
-    item = prepare(packet, cfg, seed=0, max_anchors=6, min_per_doc=1, gamma=4.0)
-    hidden = torch.randn(item.labels.shape[0], cfg.hidden_size, generator=g, requires_grad=True)
-    W = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    item, hidden, W = prepared_item(cfg)
     res = {}
     for chunk in (0, 5):
         parts, sel = dflash2_loss(d2, hidden, W, item, weighting, 0.5, chunk, alpha=0.7)
@@ -282,6 +289,32 @@ def test_dflash2_loss_chunked_equals_unchunked(build_dflash2, tiny_qwen3_dir, we
         torch.testing.assert_close(a, c)
     block = block_loss(hidden, W, item, cfg.block_size, weighting, 0.5, 5)
     torch.testing.assert_close(res[5][0], block.loss_sum.detach() + 0.7 * res[5][1])
+
+
+@pytest.mark.parametrize("trained_selector", [False, True])
+def test_selector_metrics(build_dflash2, tiny_qwen3_dir, trained_selector):
+    """recall@K and teacher-forced accuracy count the SelectorParts; the path streak is the accepted prefix of the
+    brute-force walk from each anchor, and with a fresh selector (zero transition) it is block_metrics' streak."""
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4, selector_top_k=4)
+    if trained_selector:
+        randomize_dflash2(d2, scale=2.0)
+    cfg, sel = d2.config, d2.candidate_selector
+    item, hidden, W = prepared_item(cfg)
+    hidden = hidden.detach()
+    B, N = cfg.block_size, item.labels.shape[0] // cfg.block_size
+    with torch.no_grad():
+        parts, sp = dflash2_loss(d2, hidden, W, item, "exp", 0.5, 5, alpha=1.0)
+        m = selector_metrics(sel, hidden, W, item, B, sp, parts.top_ids, 5)
+        labels, sup = item.labels.view(N, B), (item.weights > 0).view(N, B)
+        path = brute_walk(sel, hidden.view(N, B, -1)[:, 1:], W, labels[:, 0])
+    ok = ((path == labels[:, 1:]) & sup[:, 1:]).float()
+    assert m["path_streak_num"] == torch.cumprod(ok, 1).sum() and m["path_streak_den"] == N
+    assert m["sel_recall_num"] == sp.hit.sum() and m["sel_den"] == len(item.rows)
+    assert m["sel_tf_acc_num"] == sp.correct.sum()
+    if not trained_selector:
+        unary = block_metrics(parts.correct.view(N, B), item.weights.view(N, B))
+        assert m["path_streak_num"] == unary["streak_num"]
+        assert m["sel_tf_acc_num"] == unary["acc_num"]
 
 
 # ---------------------------------------------------------------------------
@@ -313,4 +346,30 @@ def test_export_config_and_weight_names(build_dflash2, tiny_qwen3_dir, tmp_path)
     assert isinstance(back, DFlash2Drafter) and back.config == d2.config
     for k, v in d2.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
-    assert not isinstance(back, Drafter) or back.config.selector_top_k == 4
+
+
+def test_spec_generate_of_a_dflash2_export_is_the_target_greedy(build_dflash2, tiny_qwen3_dir, tmp_path):
+    """The export's own DFlash2DraftModel (AutoModel, trust_remote_code) drafts with the selector's walk and returns
+    exactly the target's greedy output; its forward is the DFlash2 drafter's."""
+    from test_export import greedy_reference
+    from transformers import AutoModel, AutoModelForCausalLM
+    from model.export import export_dflash2
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, local_files_only=True).eval()
+    input_ids = torch.randint(0, 127, (1, 12), generator=torch.Generator().manual_seed(0))
+    N = 30
+    want = greedy_reference(target, input_ids, N)
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4, selector_top_k=4)
+    randomize_dflash2(d2, scale=2.0)
+    draft = AutoModel.from_pretrained(export_dflash2(d2, tmp_path / "d2", dtype=torch.float32), trust_remote_code=True,
+                                      dtype="auto", local_files_only=True).eval()
+    assert type(draft).__name__ == "DFlash2DraftModel"
+    for k, v in d2.state_dict().items():
+        assert torch.equal(draft.state_dict()[k], v), k
+    got = draft.spec_generate(input_ids=input_ids, max_new_tokens=N, temperature=0.0, target=target,
+                              stop_token_ids=None, return_stats=True)
+    assert torch.equal(got.output_ids, want)
+    lm_head = target.get_output_embeddings()
+    h = torch.randn(3, d2.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        walked = draft.propose(h, torch.tensor([5]), lm_head)
+        assert torch.equal(walked, selector_walk(d2.candidate_selector, h[None], lm_head.weight, torch.tensor([5]))[0])
