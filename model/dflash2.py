@@ -39,8 +39,8 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   resume of a DFlash2 checkpoint is strict as today.
 - settings.py: DRAFTER_ARCH; CONV_KERNEL_SIZE (1..B), CONV_GROUP_SIZE (divides H), SELECTOR_RANK (>= 1),
   SELECTOR_TOP_K (1..V), SELECTOR_ALPHA (>= 0, 1.0 in speculators); snapshot them into logs and checkpoints.
-- step.py: dflash2_loss.dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x selector, so the
-  division by the global sum of w is unchanged); the drafter forward is unchanged (DFlash2Drafter.forward).
+- step.py: dflash2_loss.dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x
+  selector, so the division by the global sum of w is unchanged); the drafter forward is unchanged.
 - optim.py param_chunks: the convs live in layers.{i} (covered by the layer chunks), the selector is a new chunk
   after the final norm (and params_ready(L+2) before the loss reads it); weight decay: base_kernel and the codebooks
   are probably best without decay (base_kernel is the identity it should stay near).
@@ -53,8 +53,14 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   per-slot argmax by selector_walk over candidates(h[1:]); the walk has static shapes and no host sync (graph-safe);
   DDTree can expand from selector_lattice (the [S, K, K] edge scores) instead of per-slot top-k; the drafter's step()
   already applies the convs (a block is B contiguous rows; a partial last block is allowed).
-- export: export.export_dflash2 / load_dflash2 (DFlash2DraftModel config); modeling_dflash.py's spec_generate for
-  DFlash2 is not written yet; the model card's serving commands are DFlash's.
+- export and loading: the trainer's export calls export.export_dflash2 for a DFlash2 drafter; eval_dflash.py loads
+  one with export.load_dflash2 (load_drafter refuses it); modeling_dflash.DFlash2DraftModel.spec_generate drafts with
+  the walk; model_card still titles it a DFlash drafter and gives DFlash's serving commands (SGLang's and vLLM's
+  DFlash2 flags are to be checked against their releases).
+- attention: z-lab's published DFlash2 drafters make every layer sliding and non-causal inside the block
+  (`is_causal: false`); ours are causal inside the block on sliding layers (DFLASH_SPEC.md, vLLM's fallback rule),
+  so fine-tuning such a checkpoint needs a non-causal sliding mask (attention.py: causal_block=False with a window)
+  and an `is_causal` in the export; export_dflash2 writes none today.
 - in-training eval metrics: dflash2_loss.selector_metrics (unary recall@K, teacher-forced selector accuracy, the
   accepted length of the selector's own path from each anchor), all-reduced and logged beside block_metrics' acc and
   streak.

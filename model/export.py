@@ -1,8 +1,9 @@
 """Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields), model.safetensors with bare
 keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (docs/ALGORITHM.md, section 4), and the
 modeling code for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`:
-modeling_dflash.py with this project's drafter.py, attention.py and dflash2.py beside it (REMOTE_CODE); and a README.md model card
-with what the drafter was trained for and the commands that serve it (model_card)."""
+modeling_dflash.py with this project's drafter.py, attention.py and dflash2.py beside it (REMOTE_CODE); and a README.md
+model card with what the drafter was trained for and the commands that serve it (model_card). export_dflash2 /
+load_dflash2 do the same for a DFlash2 drafter (model/dflash2.py)."""
 import json
 import os
 import re

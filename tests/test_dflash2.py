@@ -328,6 +328,10 @@ def test_export_config_and_weight_names(build_dflash2, tiny_qwen3_dir, tmp_path)
     out = export_dflash2(d2, tmp_path / "export", dtype=torch.float32)
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["DFlash2DraftModel"]
+    assert c["auto_map"] == {"AutoModel": "modeling_dflash.DFlash2DraftModel"}
+    # no causality override: vLLM's rule (is_causal, then dflash_config.causal, then sliding layers causal) falls
+    # through to the layer types, as this project trains them
+    assert "is_causal" not in c and "causal" not in c["dflash_config"]
     assert c["dflash_config"] == {"mask_token_id": d2.config.mask_token_id,
                                   "target_layer_ids": d2.config.target_layer_ids, "conv_kernel_size": 2,
                                   "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
