@@ -377,3 +377,35 @@ def test_spec_generate_of_a_dflash2_export_is_the_target_greedy(build_dflash2, t
     with torch.no_grad():
         walked = draft.propose(h, torch.tensor([5]), lm_head)
         assert torch.equal(walked, selector_walk(d2.candidate_selector, h[None], lm_head.weight, torch.tensor([5]))[0])
+
+
+# ---------------------------------------------------------------------------
+# Sliding layers against z-lab's DFlash reference (the mirror's dflash/model.py, no DFlash2 there)
+
+def test_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter, tiny_qwen3_dir, tmp_path):
+    """What the reference does with `sliding_attention` layers under eager / sdpa attention: it passes no mask
+    (is_causal=False) and its sliding_window reaches only flash-attention kernels, so they see the whole context and
+    the whole block, like full layers: our drafter with the same weights as full layers matches it, ours as sliding
+    layers (causal inside the block, windowed context: DFLASH_SPEC.md, vLLM's fallback rule) does not. z-lab's
+    DFlash2 checkpoints declare `is_causal: false` for their all-sliding layers: bidirectional there too."""
+    from model.export import export_drafter
+    from test_drafter import load_zlab
+    zlab = load_zlab(tmp_path)
+    sliding = build_drafter(tiny_qwen3_dir, num_layers=2, sliding_window_layers=2, sliding_window=3)
+    for p in sliding.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    full = build_drafter(tiny_qwen3_dir, num_layers=2)
+    full.load_state_dict(sliding.state_dict())
+    ref = zlab.DFlashDraftModel.from_pretrained(export_drafter(sliding, tmp_path / "d", dtype=torch.float32),
+                                                attn_implementation="sdpa").eval()
+    b = packed_batch(sliding)
+    ours_sliding, ours_full = run(sliding, b), run(full, b)
+    bl, doc, pos = b["blocks"], b["doc"], b["pos"]
+    for n in range(len(bl.anchor_idx)):
+        a = int(bl.anchor_idx[n])
+        ctx = (doc == doc[a]) & (torch.arange(len(doc)) < a)
+        with torch.no_grad():
+            want = ref(position_ids=torch.arange(int(pos[a]) + 4)[None], noise_embedding=b["emb"][bl.ids[n]][None],
+                       target_hidden=b["feats"][ctx][None], attention_mask=None, is_causal=False)[0]
+        torch.testing.assert_close(ours_full[n], want, atol=1e-5, rtol=1e-5)
+        assert (ours_sliding[n] - want).abs().max() > 1e-2
