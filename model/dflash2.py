@@ -213,14 +213,13 @@ class DFlash2Drafter(Drafter):
     """Drafter with DFlash2Layers and a candidate_selector. forward / step / context_kv are the Drafter's (the layers
     carry the convolutions); the selector is applied by the caller on the output (selector_walk, dflash2_loss)."""
 
+    layer_class = DFlash2Layer
+
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
-        self.layers = nn.ModuleList([DFlash2Layer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
-        for layer in self.layers:
-            layer.apply(self._init_weights)
-        self.reset_dflash2()
+        self.reset_dflash2()   # after Drafter's init of every Linear: the identity convolutions
 
     def reset_dflash2(self):
         """The DFlash2 parameters at their init: identity convolutions, zero transition."""
