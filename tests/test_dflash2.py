@@ -409,3 +409,43 @@ def test_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter, tiny_qwe
                        target_hidden=b["feats"][ctx][None], attention_mask=None, is_causal=False)[0]
         torch.testing.assert_close(ours_full[n], want, atol=1e-5, rtol=1e-5)
         assert (ours_sliding[n] - want).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------------------
+# Training
+
+def test_overfits_a_fixed_batch(build_dflash2, tiny_qwen3_dir):
+    """Warm start from a DFlash drafter, then block + selector loss on one micro-batch with a tiny target's embedding
+    and lm_head: at the first step every parameter but the two bilinear factors facing the zero successor codebook
+    gets a gradient (they get one once it moves); the loss falls tenfold and the selector's own walk follows the
+    labels."""
+    from model.target import Target
+    target = Target(tiny_qwen3_dir, dtype=torch.float32, layer_ids=None)
+    d2, _ = build_dflash2(tiny_qwen3_dir, block_size=4, selector_top_k=4)
+    cfg = d2.config
+    item, _, _ = prepared_item(cfg)                                   # random features stand in for the target's
+    emb = target.embed_tokens(item.block_ids)
+    W = target.lm_head_weight
+    opt = torch.optim.AdamW(d2.parameters(), lr=3e-2, weight_decay=0.0)
+    losses = []
+    for step in range(150):
+        out = d2(item.features, item.ctx_pos, emb, item.block_pos, item.attn)
+        parts, sel = dflash2_loss(d2, out, W, item, "exp", 0.5, 16, alpha=1.0)
+        loss = parts.loss_sum / parts.weight_sum
+        opt.zero_grad()
+        loss.backward()
+        if step < 2:
+            bilinear = {"candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight"}
+            for name, p in d2.named_parameters():
+                moved = p.grad is not None and p.grad.abs().sum() > 0
+                assert moved == (step == 1 or name not in bilinear), name
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    with torch.no_grad():
+        out = d2(item.features, item.ctx_pos, emb, item.block_pos, item.attn)
+        parts, sel = dflash2_loss(d2, out, W, item, "exp", 0.5, 16, alpha=1.0)
+        m = selector_metrics(d2.candidate_selector, out, W, item, cfg.block_size, sel, parts.top_ids, 16)
+    N = item.labels.shape[0] // cfg.block_size
+    best = block_metrics(torch.ones(N, cfg.block_size, dtype=torch.bool), item.weights.view(N, -1))["streak_num"]
+    assert m["sel_tf_acc_num"] == m["sel_den"] and m["path_streak_num"] == best
