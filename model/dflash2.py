@@ -41,8 +41,9 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   SELECTOR_TOP_K (1..V), SELECTOR_ALPHA (>= 0, 1.0 in speculators); snapshot them into logs and checkpoints.
 - step.py: dflash2_loss.dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x
   selector, so the division by the global sum of w is unchanged); the drafter forward is unchanged.
-- optim.py param_chunks: the convs live in layers.{i} (covered by the layer chunks), the selector is a new chunk
-  after the final norm (and params_ready(L+2) before the loss reads it); weight decay: base_kernel and the codebooks
+- optim.py param_chunks (it asserts that it covers every parameter, so it refuses a DFlash2 drafter today): the
+  convs live in layers.{i} (covered by the layer chunks), the selector is a new chunk after the final norm (and
+  params_ready(L+2) before the loss reads it); weight decay: base_kernel and the codebooks
   are probably best without decay (base_kernel is the identity it should stay near).
 - FSDP: shard units are the layers (DFlash2Layer now) plus the selector as its own unit (two [V, r] codebooks, the
   largest new tensors: 2 x V x r, 78M params at V=152k, r=256); the selector is read after the last layer.

@@ -34,8 +34,8 @@ class _CandidateLogits(torch.autograd.Function):
         step = ctx.chunk_size
         gh = torch.empty(cand.shape[0], W.shape[1], dtype=ctx.h_dtype, device=grad.device)
         for s in range(0, cand.shape[0], step):
-            gh[s:s + step] = torch.einsum("ck,ckh->ch", grad[s:s + step].float(),
-                                          W[cand[s:s + step]].float()).to(ctx.h_dtype)
+            rows = W[cand[s:s + step]]                                             # [c, K, H] in W's dtype
+            gh[s:s + step] = torch.einsum("ck,ckh->ch", grad[s:s + step].to(rows.dtype), rows).to(ctx.h_dtype)
         return gh, None, None, None
 
 
