@@ -2,10 +2,10 @@
 layer, inside the block only, and (2) a candidate selector that rescores the unary top-K of every slot with a
 low-rank bilinear term between the predecessor token, the slot's hidden state and the candidate.
 
-Learned from the public sources (our own code): z-lab/dflash `DFlash2DraftModel` as ported by
-vllm-project/speculators (src/speculators/models/dflash2/) and sgl-project/SpecForge
-(specforge/modeling/draft/dflash2.py); the checkpoint's weight names and shapes from the header of
-z-lab/Qwen3.8-27B-DFlash2 as recorded by mudler/vllm.cpp's port notes.
+Learned from the public sources (our own code): z-lab/dflash dflash/model.py (`DFlash2DraftModel`,
+`GroupedDynamicCausalConv`, `CandidateSelector`; inference only), its training ports in vllm-project/speculators
+(src/speculators/models/dflash2/) and sgl-project/SpecForge (specforge/modeling/draft/dflash2.py); the checkpoint's
+weight names and shapes from the header of z-lab/Qwen3.8-27B-DFlash2 as recorded by mudler/vllm.cpp's port notes.
 
 The convolution, per sublayer f (attention or MLP) of a layer, on its normed input u [M, H] (M = N*B block rows):
     c = kernel_projection(u)                                   # [M, 2 (input/output side), taps, G], G = H / group
@@ -58,10 +58,14 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   one with export.load_dflash2 (load_drafter refuses it); modeling_dflash.DFlash2DraftModel.spec_generate drafts with
   the walk; model_card still titles it a DFlash drafter and gives DFlash's serving commands (SGLang's and vLLM's
   DFlash2 flags are to be checked against their releases).
-- attention: z-lab's published DFlash2 drafters make every layer sliding and non-causal inside the block
-  (`is_causal: false`); ours are causal inside the block on sliding layers (DFLASH_SPEC.md, vLLM's fallback rule),
-  so fine-tuning such a checkpoint needs a non-causal sliding mask (attention.py: causal_block=False with a window)
-  and an `is_causal` in the export; export_dflash2 writes none today.
+- attention: without `is_causal` in config.json, z-lab's reference (dflash/model.py at 10129599) and vLLM make
+  sliding layers causal inside the block with the window, full layers bidirectional: as ours (DFLASH_SPEC.md), and
+  export_dflash2 writes no `is_causal`. z-lab's published DFlash2 drafters say `is_causal: false` with every layer
+  sliding (bidirectional in the block, a two-sided window), so fine-tuning one needs a non-causal sliding mask
+  (attention.py: causal_block=False with a window) and `is_causal: false` in its export.
+- unary logits: z-lab's reference scales the noise embedding by `input_embedding_scale` and the unary logits by
+  `output_multiplier` then soft-caps them (`final_logit_softcapping`) before the selector; all absent (1, 1, none)
+  for the Qwen3 drafters, and not implemented here: a target that needs them needs them in training too.
 - in-training eval metrics: dflash2_loss.selector_metrics (unary recall@K, teacher-forced selector accuracy, the
   accepted length of the selector's own path from each anchor), all-reduced and logged beside block_metrics' acc and
   streak.

@@ -63,9 +63,9 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 def serving_config_dflash2(cfg: DFlash2Config, dtype: torch.dtype) -> dict:
     """serving_config under DFlash2's architecture name, with its fields in dflash_config (the keys z-lab's
-    DFlash2DraftModel, SGLang and vLLM read). No `is_causal`: vLLM then makes sliding layers causal inside the block
-    and full layers bidirectional, as this project trains them (z-lab's published DFlash2 drafters say
-    `is_causal: false`, all layers sliding)."""
+    DFlash2DraftModel, SGLang and vLLM read). No `is_causal`: z-lab's reference and vLLM then make sliding layers
+    causal inside the block and full layers bidirectional, as this project trains them (z-lab's published DFlash2
+    drafters say `is_causal: false`, all layers sliding)."""
     c = serving_config(cfg, dtype)
     c["architectures"] = ["DFlash2DraftModel"]
     c["auto_map"] = {"AutoModel": "modeling_dflash.DFlash2DraftModel"}

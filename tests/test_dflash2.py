@@ -380,14 +380,15 @@ def test_spec_generate_of_a_dflash2_export_is_the_target_greedy(build_dflash2, t
 
 
 # ---------------------------------------------------------------------------
-# Sliding layers against z-lab's DFlash reference (the mirror's dflash/model.py, no DFlash2 there)
+# Sliding layers against the mirror's z-lab DFlash reference (an older dflash/model.py, without DFlash2)
 
-def test_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter, tiny_qwen3_dir, tmp_path):
-    """What the reference does with `sliding_attention` layers under eager / sdpa attention: it passes no mask
-    (is_causal=False) and its sliding_window reaches only flash-attention kernels, so they see the whole context and
-    the whole block, like full layers: our drafter with the same weights as full layers matches it, ours as sliding
-    layers (causal inside the block, windowed context: DFLASH_SPEC.md, vLLM's fallback rule) does not. z-lab's
-    DFlash2 checkpoints declare `is_causal: false` for their all-sliding layers: bidirectional there too."""
+def test_mirrored_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter, tiny_qwen3_dir, tmp_path):
+    """What the mirrored reference does with `sliding_attention` layers under eager / sdpa attention: it passes no
+    mask (is_causal=False) and its sliding_window reaches only flash-attention kernels, so they see the whole context
+    and the whole block, like full layers: our drafter with the same weights as full layers matches it, ours as
+    sliding layers (causal inside the block, windowed context: DFLASH_SPEC.md) does not. z-lab's later
+    dflash/model.py (with DFlash2) builds the mask itself: sliding layers causal with the window unless the config's
+    `is_causal` says otherwise, as ours; its published DFlash2 drafters say `is_causal: false`."""
     from model.export import export_drafter
     from test_drafter import load_zlab
     zlab = load_zlab(tmp_path)
