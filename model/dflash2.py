@@ -6,6 +6,11 @@ Learned from the public sources (our own code): z-lab/dflash dflash/model.py (`D
 `GroupedDynamicCausalConv`, `CandidateSelector`; inference only), its training ports in vllm-project/speculators
 (src/speculators/models/dflash2/) and sgl-project/SpecForge (specforge/modeling/draft/dflash2.py); the checkpoint's
 weight names and shapes from the header of z-lab/Qwen3.8-27B-DFlash2 as recorded by mudler/vllm.cpp's port notes.
+Checked against z-lab's DFlash2DraftModel (dflash/model.py at 10129599dffb338ff38cfd235a53ca6d3667b4dd) through a
+recorded golden (tools/zlab_golden2.py, tests/test_zlab_golden.py): an export loads strictly into it, and its last
+hidden states, unary top-K, selector scores and T=0 proposal are ours, with a sliding layer. It differs in precision
+only: it scores the candidates in the model's dtype (bf16 when served) over an unsorted top-K, ours in fp32 best
+first, so a bf16 rounding flip or tie can make its walk pick another candidate.
 
 The convolution, per sublayer f (attention or MLP) of a layer, on its normed input u [M, H] (M = N*B block rows):
     c = kernel_projection(u)                                   # [M, 2 (input/output side), taps, G], G = H / group
@@ -62,10 +67,12 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   sliding layers causal inside the block with the window, full layers bidirectional: as ours (DFLASH_SPEC.md), and
   export_dflash2 writes no `is_causal`. z-lab's published DFlash2 drafters say `is_causal: false` with every layer
   sliding (bidirectional in the block, a two-sided window), so fine-tuning one needs a non-causal sliding mask
-  (attention.py: causal_block=False with a window) and `is_causal: false` in its export.
+  (attention.py: causal_block=False with a window) and `is_causal: false` in its export; until then
+  DFlash2Config.from_serving refuses an `is_causal` that disagrees with the layer types.
 - unary logits: z-lab's reference scales the noise embedding by `input_embedding_scale` and the unary logits by
   `output_multiplier` then soft-caps them (`final_logit_softcapping`) before the selector; all absent (1, 1, none)
-  for the Qwen3 drafters, and not implemented here: a target that needs them needs them in training too.
+  for the Qwen3 drafters, and not implemented here (from_serving refuses a config that sets them): a target that
+  needs them needs them in training too.
 - in-training eval metrics: dflash2_loss.selector_metrics (unary recall@K, teacher-forced selector accuracy, the
   accepted length of the selector's own path from each anchor), all-reduced and logged beside block_metrics' acc and
   streak.
@@ -111,7 +118,18 @@ class DFlash2Config(DrafterConfig):
 
     @classmethod
     def from_serving(cls, c: dict) -> "DFlash2Config":
+        """Refuses a config that z-lab's DFlash2DraftModel (the serving reference) would run differently from this
+        drafter rather than load it wrong: an `is_causal` against the layer rule (sliding layers causal, full
+        ones not), or a noise-embedding scale, logit multiplier or soft-cap this project does not implement."""
         d = c["dflash_config"]
+        layers = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+        if c.get("is_causal") is not None:
+            assert all((t == "sliding_attention") == bool(c["is_causal"]) for t in layers), \
+                f"is_causal={c['is_causal']} with layer_types={layers}: not this drafter's attention"
+        for name in ("input_embedding_scale", "output_multiplier"):
+            assert float(d.get(name, c.get(name, 1.0))) == 1.0, f"{name}={d.get(name, c.get(name))}: not implemented"
+        cap = d.get("final_logit_softcapping", c.get("final_logit_softcapping"))
+        assert cap is None or float(cap) <= 0, f"final_logit_softcapping={cap}: not implemented"
         return cls.from_drafter(DrafterConfig.from_serving(c), conv_kernel_size=d["conv_kernel_size"],
                                 conv_group_size=d["conv_group_size"], selector_rank=d["selector_rank"],
                                 selector_top_k=d["selector_top_k"])

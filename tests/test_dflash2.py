@@ -352,6 +352,31 @@ def test_export_config_and_weight_names(build_dflash2, tiny_qwen3_dir, tmp_path)
         assert torch.equal(back.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize("edit, loads", [
+    ({"is_causal": False}, False),                              # z-lab: the sliding layer bidirectional in the block
+    ({"is_causal": True}, False),                               # z-lab: the full layer causal
+    ({"dflash_config.input_embedding_scale": 2.0}, False),
+    ({"output_multiplier": 0.5}, False),
+    ({"dflash_config.final_logit_softcapping": 30.0}, False),
+    ({"dflash_config.final_logit_softcapping": None, "output_multiplier": 1.0}, True),   # z-lab's neutral values
+])
+def test_load_refuses_what_zlab_would_run_differently(build_dflash2, tiny_qwen3_dir, tmp_path, edit, loads):
+    """A config z-lab's DFlash2DraftModel would run with other attention or logits than this drafter is refused."""
+    from model.export import export_dflash2, load_dflash2
+    d2, _ = build_dflash2(tiny_qwen3_dir, num_layers=2, sliding_window_layers=1)
+    out = export_dflash2(d2, tmp_path / "export", dtype=torch.float32)
+    c = json.loads((out / "config.json").read_text())
+    for key, value in edit.items():
+        *outer, name = key.split(".")
+        (c[outer[0]] if outer else c)[name] = value
+    (out / "config.json").write_text(json.dumps(c))
+    if loads:
+        assert load_dflash2(out).config == d2.config
+    else:
+        with pytest.raises(AssertionError):
+            load_dflash2(out)
+
+
 def test_spec_generate_of_a_dflash2_export_is_the_target_greedy(build_dflash2, tiny_qwen3_dir, tmp_path):
     """The export's own DFlash2DraftModel (AutoModel, trust_remote_code) drafts with the selector's walk and returns
     exactly the target's greedy output; its forward is the DFlash2 drafter's."""
@@ -380,18 +405,21 @@ def test_spec_generate_of_a_dflash2_export_is_the_target_greedy(build_dflash2, t
 
 
 # ---------------------------------------------------------------------------
-# Sliding layers against the mirror's z-lab DFlash reference (an older dflash/model.py, without DFlash2)
+# Sliding layers against z-lab's DFlash reference (DFLASH_ZLAB_REPO: the mirror's older dflash/model.py, or a later
+# one with DFlash2)
 
-def test_mirrored_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter, tiny_qwen3_dir, tmp_path):
-    """What the mirrored reference does with `sliding_attention` layers under eager / sdpa attention: it passes no
-    mask (is_causal=False) and its sliding_window reaches only flash-attention kernels, so they see the whole context
-    and the whole block, like full layers: our drafter with the same weights as full layers matches it, ours as
-    sliding layers (causal inside the block, windowed context: DFLASH_SPEC.md) does not. z-lab's later
-    dflash/model.py (with DFlash2) builds the mask itself: sliding layers causal with the window unless the config's
-    `is_causal` says otherwise, as ours; its published DFlash2 drafters say `is_causal: false`."""
+def test_zlab_reference_sliding_rule(build_drafter, tiny_qwen3_dir, tmp_path):
+    """What z-lab's reference does with `sliding_attention` layers (no `is_causal` in the config), under sdpa. The
+    mirrored one (without DFlash2) passes no mask and its sliding_window reaches only flash-attention kernels, so they
+    see the whole context and the whole block, like full layers: our drafter with the same weights as full layers
+    matches it, ours as sliding layers (causal inside the block, windowed context: DFLASH_SPEC.md) does not. The
+    later one (with DFlash2, 10129599) builds the mask itself: sliding layers causal with the window, as ours; its
+    published DFlash2 drafters say `is_causal: false` (tests/test_zlab_golden.py checks DFlash2 with a sliding layer
+    without the reference's code)."""
     from model.export import export_drafter
     from test_drafter import load_zlab
     zlab = load_zlab(tmp_path)
+    later = hasattr(zlab, "DFlash2DraftModel")
     sliding = build_drafter(tiny_qwen3_dir, num_layers=2, sliding_window_layers=2, sliding_window=3)
     for p in sliding.parameters():
         p.data += 0.1 * torch.randn_like(p)
@@ -400,7 +428,7 @@ def test_mirrored_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter,
     ref = zlab.DFlashDraftModel.from_pretrained(export_drafter(sliding, tmp_path / "d", dtype=torch.float32),
                                                 attn_implementation="sdpa").eval()
     b = packed_batch(sliding)
-    ours_sliding, ours_full = run(sliding, b), run(full, b)
+    same, other = (run(sliding, b), run(full, b)) if later else (run(full, b), run(sliding, b))
     bl, doc, pos = b["blocks"], b["doc"], b["pos"]
     for n in range(len(bl.anchor_idx)):
         a = int(bl.anchor_idx[n])
@@ -408,8 +436,8 @@ def test_mirrored_zlab_reference_runs_sliding_layers_as_full_ones(build_drafter,
         with torch.no_grad():
             want = ref(position_ids=torch.arange(int(pos[a]) + 4)[None], noise_embedding=b["emb"][bl.ids[n]][None],
                        target_hidden=b["feats"][ctx][None], attention_mask=None, is_causal=False)[0]
-        torch.testing.assert_close(ours_full[n], want, atol=1e-5, rtol=1e-5)
-        assert (ours_sliding[n] - want).abs().max() > 1e-2
+        torch.testing.assert_close(same[n], want, atol=1e-5, rtol=1e-5)
+        assert (other[n] - want).abs().max() > 1e-2
 
 
 # ---------------------------------------------------------------------------
