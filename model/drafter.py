@@ -301,11 +301,13 @@ class DecoderLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    layer_class = DecoderLayer   # a subclass's own layers (model/dflash2.py), built once
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_taps * H, H, bias=False)   # [H, K*H]
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)

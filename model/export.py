@@ -1,8 +1,9 @@
 """Serving-format save/load: a folder with config.json (a Qwen3 config + DFlash fields), model.safetensors with bare
 keys (bf16 by default), which SGLang, vLLM and z-lab's DFlashDraftModel load (docs/ALGORITHM.md, section 4), and the
 modeling code for transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True, dtype="auto")`:
-modeling_dflash.py with this project's drafter.py and attention.py beside it (REMOTE_CODE); and a README.md model card
-with what the drafter was trained for and the commands that serve it (model_card)."""
+modeling_dflash.py with this project's drafter.py, attention.py and dflash2.py beside it (REMOTE_CODE); and a README.md
+model card with what the drafter was trained for and the commands that serve it (model_card). export_dflash2 /
+load_dflash2 do the same for a DFlash2 drafter (model/dflash2.py)."""
 import hashlib
 import json
 import os
@@ -13,11 +14,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.dflash2 import DFlash2Config, DFlash2Drafter
 from model.drafter import Drafter, DrafterConfig
 from model.hub import HUB_ID
 
 MODEL_DIR = Path(__file__).resolve().parent
-REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py")   # copied into every export, as they are
+REMOTE_CODE = ("modeling_dflash.py", "drafter.py", "attention.py", "dflash2.py")   # copied into every export, as is
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -60,22 +62,44 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
+def serving_config_dflash2(cfg: DFlash2Config, dtype: torch.dtype) -> dict:
+    """serving_config under DFlash2's architecture name, with its fields in dflash_config (the keys z-lab's
+    DFlash2DraftModel, SGLang and vLLM read). No `is_causal`: z-lab's reference and vLLM then make sliding layers
+    causal inside the block and full layers bidirectional, as this project trains them (z-lab's published DFlash2
+    drafters say `is_causal: false`, all layers sliding)."""
+    c = serving_config(cfg, dtype)
+    c["architectures"] = ["DFlash2DraftModel"]
+    c["auto_map"] = {"AutoModel": "modeling_dflash.DFlash2DraftModel"}
+    c["dflash_config"].update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                              selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    return c
+
+
+def export_dflash2(drafter: DFlash2Drafter, out_dir, dtype=torch.bfloat16, state=None, **card) -> Path:
+    """export_drafter of a DFlash2 drafter: its config (serving_config_dflash2), its weights under the names the
+    engines read (layers.{i}.attention_conv / mlp_conv.base_kernel [2, taps, H] and .kernel_projection.weight
+    [2 * taps * H / group, H]; candidate_selector.predecessor_codebook and successor_codebook [V, rank],
+    candidate_selector.hidden_projection.weight [rank, H]); modeling_dflash.DFlash2DraftModel runs it."""
+    return export_drafter(drafter, out_dir, dtype, state, config=serving_config_dflash2(drafter.config, dtype), **card)
+
+
 def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, *, target=None,
-                   target_fingerprint=None, step=None, data=None, evaluation=None) -> Path:
+                   target_fingerprint=None, step=None, data=None, evaluation=None, config=None) -> Path:
     """Write config.json, model.safetensors, the modeling code (REMOTE_CODE) and README.md to out_dir atomically (tmp
     folder, then os.replace). dtype: the weights' on the way out; bf16 by default, what serving runs next to a bf16
     target (the trainer's fp32 master weights stay in its state.pt). state: the whole state dict to write instead of
     drafter.state_dict() (a sharded drafter's, gathered: checkpoint.full_state). The rest only feeds the model card
     (model_card), each optional: target (its Hub id or folder), target_fingerprint (checkpoint.target_fingerprint),
     step (optimizer steps trained), data (a dict summarising the data, e.g. data.loader.Data.fingerprint()),
-    evaluation (eval_dflash.evaluate's result at this step: tau, tau_by_category, lossless, prompts)."""
+    evaluation (eval_dflash.evaluate's result at this step: tau, tau_by_category, lossless, prompts). config: another
+    architecture's config.json (export_dflash2)."""
     out = Path(out_dir)
     state = drafter.state_dict() if state is None else state
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config_json = json.dumps(serving_config(drafter.config, dtype), indent=2)
+    config_json = json.dumps(config or serving_config(drafter.config, dtype), indent=2)
     (tmp / "config.json").write_text(config_json)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for name in REMOTE_CODE:
@@ -229,9 +253,23 @@ def load_drafter(path, device="cpu", dtype=None) -> Drafter:
     """Inverse of export_drafter: built on the meta device, weights assigned straight from the file."""
     path = Path(path)
     with open(path / "config.json") as f:
-        cfg = DrafterConfig.from_serving(json.load(f))
+        c = json.load(f)
+    assert c.get("architectures") != ["DFlash2DraftModel"], f"{path} is a DFlash2 export: load it with load_dflash2"
+    return _load(path, Drafter, DrafterConfig.from_serving(c), device, dtype)
+
+
+def load_dflash2(path, device="cpu", dtype=None) -> DFlash2Drafter:
+    """Inverse of export_dflash2."""
+    path = Path(path)
+    with open(path / "config.json") as f:
+        c = json.load(f)
+    assert c.get("architectures") == ["DFlash2DraftModel"], f"{path} is not a DFlash2 export: {c.get('architectures')}"
+    return _load(path, DFlash2Drafter, DFlash2Config.from_serving(c), device, dtype)
+
+
+def _load(path, cls, cfg, device, dtype):
     with torch.device("meta"):
-        drafter = Drafter(cfg)
+        drafter = cls(cfg)
     state = load_file(str(path / "model.safetensors"), device=str(device))
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}

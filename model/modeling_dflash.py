@@ -2,9 +2,10 @@
 
     AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype="auto")
 
-model/export.py copies this file, drafter.py and attention.py into every export (config.json's auto_map names this
-class), so the code that trained the weights is the code that runs them. Training never imports it. `spec_generate` is
-z-lab's documented Transformers quick start, written here again (an export cannot import this project's package):
+model/export.py copies this file, drafter.py, attention.py and dflash2.py into every export (config.json's auto_map
+names the class: DFlashDraftModel, or DFlash2DraftModel), so the code that trained the weights is the code that runs
+them. Training never imports it. `spec_generate` is z-lab's documented Transformers quick start, written here again (an
+export cannot import this project's package):
 
     draft.spec_generate(input_ids=ids, target=target, max_new_tokens=256, stop_token_ids=[eos], temperature=0.0)
 """
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 
+from .dflash2 import CandidateSelector, DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv, selector_walk
 from .drafter import Drafter, DrafterCache, DrafterConfig
 
 
@@ -27,16 +29,26 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        drafter = Drafter(DrafterConfig.from_serving(config.to_dict()))
-        self.layers, self.fc, self.hidden_norm, self.norm = drafter.layers, drafter.fc, drafter.hidden_norm, drafter.norm
+        drafter = self.build_drafter(config.to_dict())
+        for name, module in drafter.named_children():      # layers, fc, hidden_norm, norm (+ DFlash2's selector)
+            setattr(self, name, module)
         object.__setattr__(self, "drafter", drafter)   # not a submodule: its modules are registered above
         self.block_size = drafter.config.block_size
         self.mask_token_id = drafter.config.mask_token_id
         self.target_layer_ids = drafter.config.target_layer_ids
         self.post_init()
 
+    @staticmethod
+    def build_drafter(c: dict) -> Drafter:
+        return Drafter(DrafterConfig.from_serving(c))
+
     def _init_weights(self, module):
         Drafter._init_weights(module)   # what a fresh Drafter has; loaded weights replace it
+
+    def propose(self, h, anchor, lm_head):
+        """The draft of one block at T=0: h [B-1, H] the drafter's output at the drafted slots, anchor [1] the verified
+        token -> [B-1] token ids. DFlash: each slot's argmax."""
+        return lm_head(h.to(lm_head.weight.dtype)).argmax(-1)
 
     def forward(self, features, ctx_positions, block_emb, block_positions, attn):
         """Drafter.forward: features [T, K*H] of the target's tapped layers (HF hidden_states[l + 1]), block_emb
@@ -106,7 +118,7 @@ class DFlashDraftModel(PreTrainedModel):
             start = P + len(new) - 1                                  # position of the last committed token
             block = torch.tensor([new[-1]] + [self.mask_token_id] * (B - 1), device=dev)                  # [B]
             h = self.drafter.step(ctx, embed(block).to(dtype), torch.arange(start, start + B, device=dev))  # [B, H]
-            block[1:] = lm_head(h[1:].to(lm_head.weight.dtype)).argmax(-1)
+            block[1:] = self.propose(h[1:], block[:1], lm_head)
             pick, feats = verify(block, start)                                                         # [B]
             a = int((block[1:] == pick[:-1]).int().cumprod(0).sum())     # draft tokens the target agrees with
             extra = cache.get_seq_length() - (start + a + 1)             # drop the KV of the rejected slots
@@ -122,3 +134,21 @@ class DFlashDraftModel(PreTrainedModel):
         if not return_stats:
             return out
         return SimpleNamespace(output_ids=out, num_input_tokens=P, num_output_tokens=len(new), acceptance_lengths=steps)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 (dflash2.py): the DFlash modules, with the convolutions inside layers.*, plus candidate_selector;
+    spec_generate drafts with the selector's walk from the verified anchor instead of each slot's argmax."""
+    _no_split_modules = ["DFlash2Layer"]
+
+    @staticmethod
+    def build_drafter(c: dict) -> DFlash2Drafter:
+        return DFlash2Drafter(DFlash2Config.from_serving(c))
+
+    def _init_weights(self, module):
+        Drafter._init_weights(module)
+        if isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+            module.reset_parameters()   # identity convolutions, zero transition: a fresh DFlash2 is its backbone
+
+    def propose(self, h, anchor, lm_head):
+        return selector_walk(self.drafter.candidate_selector, h[None], lm_head.weight, anchor)[0]

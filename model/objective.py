@@ -156,6 +156,7 @@ class LossParts:
     weight_sum: torch.Tensor   # 0-dim, sum_r w_r (no grad)
     correct: torch.Tensor      # [M] bool: argmax == label on supervised rows, False elsewhere
     ce: torch.Tensor           # [R] fp32 CE of each row in `rows` (no grad)
+    top_ids: torch.Tensor | None = None   # [R, top_k] the unary top-K ids of each row (weighted_ce(top_k=K)), or None
 
 
 def _eager_epilogue(logits, y, w, need_grad, fp8_rows=False):
@@ -206,13 +207,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
     lm_head must be frozen then, as grad_W sums over rows and would need every w_r before the first chunk."""
 
     @staticmethod
-    def forward(ctx, h, W, labels, w, chunk_size, reweight, head8=None):
+    def forward(ctx, h, W, labels, w, chunk_size, reweight, head8=None, top_k=0):
         want_gW = ctx.needs_input_grad[1]
         assert not (want_gW and reweight), "weights made from the CE itself need a frozen lm_head"
         assert not (want_gW and head8), "HEAD_FP8 quantises a frozen lm_head once"
         ctx.W_dtype = W.dtype
         ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)        # [R]
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        top = torch.empty(h.shape[0], top_k, dtype=torch.long, device=h.device)   # [R, K], [R, 0] without top_k
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_W = torch.zeros_like(W, dtype=torch.float32) if want_gW else None
         need_grad = grad_h is not None or grad_W is not None
@@ -220,6 +222,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_size):
             hc, yc, wc = h[s:s + chunk_size], labels[s:s + chunk_size], w_run[s:s + chunk_size]
             logits = head8.logits(hc) if head8 is not None else hc @ W.T       # [c, V]
+            if top_k:   # before the epilogue, which may write the gradient over the logits
+                top[s:s + chunk_size] = logits.topk(top_k, dim=-1).indices
             ce[s:s + chunk_size], correct[s:s + chunk_size], g = _pick_epilogue(logits)(
                 logits, yc, wc, need_grad, fp8_rows=head8 is not None)
             if g is None:
@@ -236,23 +240,26 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_h.copy_(grad_h * w[:, None])                                    # in fp32, rounded once
         weight_sum = w.sum()
         ctx.save_for_backward(grad_h, grad_W)
-        ctx.mark_non_differentiable(correct, ce, weight_sum)
-        return (ce * w).sum(), correct, ce, weight_sum
+        ctx.mark_non_differentiable(correct, ce, weight_sum, top)
+        return (ce * w).sum(), correct, ce, weight_sum, top
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct, _grad_ce, _grad_weight_sum):
+    def backward(ctx, grad_loss, _grad_correct, _grad_ce, _grad_weight_sum, _grad_top):
         grad_h, grad_W = ctx.saved_tensors
         gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
         gW = (grad_W * grad_loss).to(ctx.W_dtype) if grad_W is not None else None
-        return gh, gW, None, None, None, None, None
+        return gh, gW, None, None, None, None, None, None
 
 
-def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=None, reweight=None) -> LossParts:
+def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=None, reweight=None,
+                top_k=0) -> LossParts:
     """hidden [M, H], lm_head_weight [V, H] (or a model.fp8.HeadFP8 around it: HEAD_FP8, the chunked path's two GEMMs
     in FP8; the unchunked reference uses its bf16 weight), labels [M], weights [M]. Rows with weight 0 never reach
     the lm_head. chunk_size=0: the plain unchunked reference (full [rows, V] logits). rows: the indices of weights > 0
     when the caller planned them on the CPU (finding them here on a GPU is a device-to-host sync). reweight: None, or
-    CE [R] (detached, of the rows) -> the weights [R] that replace weights[rows] (dpace_reweight)."""
+    CE [R] (detached, of the rows) -> the weights [R] that replace weights[rows] (dpace_reweight). top_k: also the
+    ids of each row's top_k logits (LossParts.top_ids, DFlash2's selector candidates), taken chunk by chunk from
+    the logits the CE computes anyway."""
     head8 = lm_head_weight if isinstance(lm_head_weight, HeadFP8) else None
     lm_head_weight = head8.weight if head8 is not None else lm_head_weight
     if rows is None:
@@ -261,7 +268,8 @@ def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=N
     if chunk_size:
         if not torch.is_grad_enabled():   # eval: the Function would otherwise compute gradients nobody reads
             h, lm_head_weight = h.detach(), lm_head_weight.detach()
-        loss_sum, ok, ce, weight_sum = _ChunkedLinearCE.apply(h, lm_head_weight, y, w, chunk_size, reweight, head8)
+        loss_sum, ok, ce, weight_sum, top = _ChunkedLinearCE.apply(h, lm_head_weight, y, w, chunk_size, reweight,
+                                                                   head8, top_k)
     else:
         logits = (h @ lm_head_weight.T).float()                                  # [R, V]
         ce_grad = F.cross_entropy(logits, y, reduction="none")                   # [R]
@@ -269,9 +277,10 @@ def weighted_ce(hidden, lm_head_weight, labels, weights, chunk_size=4096, rows=N
         w = (reweight(ce) if reweight else w).float()
         loss_sum, weight_sum = (ce_grad * w).sum(), w.sum().detach()
         ok = logits.argmax(-1) == y
+        top = logits.topk(top_k, dim=-1).indices
     correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     correct[rows] = ok
-    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, correct=correct, ce=ce)
+    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, correct=correct, ce=ce, top_ids=top if top_k else None)
 
 
 # ---------------------------------------------------------------------------

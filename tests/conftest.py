@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))           #
 torch.set_num_threads(1)   # 2 shared cores: tests are tiny, threads only add contention
 
 SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
-# the public reference inference code (z-lab/dflash) as a bare git dir, from DFLASH_ZLAB_REPO where a machine has one;
-# unset, the path names the variable, does not exist, and the tests that compare against it skip saying so
+# the public reference inference code (z-lab/dflash) as a bare git dir, a checkout or a folder holding dflash/model.py,
+# from DFLASH_ZLAB_REPO where a machine has one; unset, the path names the variable, does not exist, and the tests
+# that compare against it skip saying so
 ZLAB_REPO = Path(os.environ.get("DFLASH_ZLAB_REPO") or "$DFLASH_ZLAB_REPO-unset")
 
 TINY = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

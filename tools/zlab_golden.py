@@ -35,10 +35,14 @@ ANCHORS = [3, 10, 13, 14, 19, 30]   # token indices: mid-document, a document's 
 
 
 def reference_source(zlab: Path) -> tuple[str, str]:
-    """-> (dflash/model.py of the reference, its commit or "working tree")."""
+    """-> (dflash/model.py of the reference, its commit; "working tree" for a plain folder, whose caller names the
+    commit)."""
     if (zlab / "dflash" / "model.py").is_file():
-        rev = subprocess.run(["git", "-C", str(zlab), "rev-parse", "HEAD"], capture_output=True, text=True)
-        return (zlab / "dflash" / "model.py").read_text(), rev.stdout.strip() or "working tree"
+        # a checkout's own HEAD, not that of a repository the folder merely sits in
+        top_rev = subprocess.run(["git", "-C", str(zlab), "rev-parse", "--show-toplevel", "HEAD"],
+                                 capture_output=True, text=True).stdout.split()
+        own = len(top_rev) == 2 and Path(top_rev[0]).resolve() == zlab.resolve()
+        return (zlab / "dflash" / "model.py").read_text(), top_rev[1] if own else "working tree"
     try:
         src = subprocess.run(["git", "-C", str(zlab), "show", "HEAD:dflash/model.py"], capture_output=True,
                              text=True, check=True).stdout

@@ -72,8 +72,8 @@ def test_export_loads_with_automodel_trust_remote_code(build_drafter, tiny_qwen3
     from model.objective import pack
     d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=4, sliding_window_layers=1, sliding_window=16)
     out = export_drafter(d, tmp_path / "drafter")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "attention.py", "config.json", "drafter.py",
-                                                     "model.safetensors", "modeling_dflash.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "attention.py", "config.json", "dflash2.py",
+                                                     "drafter.py", "model.safetensors", "modeling_dflash.py"]
     m = AutoModel.from_pretrained(out, trust_remote_code=True, dtype="auto", local_files_only=True).eval()
     assert type(m).__name__ == "DFlashDraftModel" and {p.dtype for p in m.parameters()} == {torch.bfloat16}
     ours = load_drafter(out)

@@ -1,0 +1,313 @@
+"""DFlash2: the DFlash drafter plus (1) a grouped dynamic causal convolution around the attention and the MLP of every
+layer, inside the block only, and (2) a candidate selector that rescores the unary top-K of every slot with a
+low-rank bilinear term between the predecessor token, the slot's hidden state and the candidate.
+
+Learned from the public sources (our own code): z-lab/dflash dflash/model.py (`DFlash2DraftModel`,
+`GroupedDynamicCausalConv`, `CandidateSelector`; inference only), its training ports in vllm-project/speculators
+(src/speculators/models/dflash2/) and sgl-project/SpecForge (specforge/modeling/draft/dflash2.py); the checkpoint's
+weight names and shapes from the header of z-lab/Qwen3.8-27B-DFlash2 as recorded by mudler/vllm.cpp's port notes.
+Checked against z-lab's DFlash2DraftModel (dflash/model.py at 10129599dffb338ff38cfd235a53ca6d3667b4dd) through a
+recorded golden (tools/zlab_golden2.py, tests/unit/test_zlab_golden.py): an export loads strictly into it, and its last
+hidden states, unary top-K, selector scores and T=0 proposal are ours, with a sliding layer. It differs in precision
+only: it scores the candidates in the model's dtype (bf16 when served) over an unsorted top-K, ours in fp32 best
+first, so a bf16 rounding flip or tie can make its walk pick another candidate.
+
+The convolution, per sublayer f (attention or MLP) of a layer, on its normed input u [M, H] (M = N*B block rows):
+    c = kernel_projection(u)                                   # [M, 2 (input/output side), taps, G], G = H / group
+    v[m] = sum_j (base[0, j] + c[m, 0, j]) * u[m - j]          # coefficients shared by the group's channels
+    y = f(v)
+    out[m] = sum_j (base[1, j] + c[m, 1, j]) * y[m - j]        # the output side reuses c, made from u
+"Dynamic": the coefficients of row m are generated from row m's own input (plus a static base kernel); "causal": row
+m reads rows m-1 .. m-taps+1 of its own block, a tap before slot 0 reads zero, none crosses a block. base = [1, 0],
+kernel_projection = 0 is the identity, so a fresh DFlash2 computes bitwise what its DFlash backbone computes.
+Only block rows are convolved: the context keys/values come from the target's features as in DFlash.
+
+The selector, for slot k (hidden h_k after the final norm, the unary logits z_k = lm_head(h_k)), given the token p
+chosen (or verified) at slot k-1 and a candidate c among the unary top-K:
+    score(p -> c) = z_k[c] + < predecessor_codebook[p] * hidden_projection(h_k), successor_codebook[c] >
+At T=0 the draft walks from the verified anchor, taking at each slot the best-scoring candidate given the one before
+(selector_walk). successor_codebook starts at zero (SpecForge's choice), so a fresh selector walks the unary argmax.
+
+Training (model/dflash2_loss.py): the block CE of DFlash plus alpha x a K-way CE over the unary top-K, teacher
+forced (the predecessor of slot k is the gold token of slot k-1, the anchor's token for slot 1), with the gold token
+put in place of the K-th candidate when the top-K misses it (speculators' variant: a K-way CE always has its label,
+and the candidate set stays the one serving scores), weighted by the block CE's own position weights (exp decay or
+D-PACE). The top-K ids come out of the chunked CE's own loop (objective.weighted_ce(top_k=K)); the candidates' unary
+logits are recomputed from the K rows of the lm_head they need (_CandidateLogits), so no second [rows, V] tensor.
+The selector CE's gradient reaches the backbone through the candidates' unary logits and hidden_projection(h), as in
+speculators' training.
+
+What the integration phase must touch (nothing here is wired into the trainer yet):
+- train_dflash.py build/restore: DRAFTER_ARCH=dflash|dflash2 picks Drafter or DFlash2Drafter (DFlash2Config.
+  from_drafter); a DFlash checkpoint warm-starts a DFlash2 run through warm_start (new params at init); the meta-device
+  build + load_state_dict(assign=True) must materialise the new params (reset_dflash2) when the state lacks them;
+  resume of a DFlash2 checkpoint is strict as today.
+- settings.py: DRAFTER_ARCH; CONV_KERNEL_SIZE (1..B), CONV_GROUP_SIZE (divides H), SELECTOR_RANK (>= 1),
+  SELECTOR_TOP_K (1..V), SELECTOR_ALPHA (>= 0, 1.0 in speculators); snapshot them into logs and checkpoints.
+- step.py: dflash2_loss.dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x
+  selector, so the division by the global sum of w is unchanged); the drafter forward is unchanged.
+- optim.py param_chunks (it asserts that it covers every parameter, so it refuses a DFlash2 drafter today): the
+  convs live in layers.{i} (covered by the layer chunks), the selector is a new chunk after the final norm (and
+  params_ready(L+2) before the loss reads it); weight decay: base_kernel and the codebooks
+  are probably best without decay (base_kernel is the identity it should stay near).
+- FSDP: shard units are the layers (DFlash2Layer now) plus the selector as its own unit (two [V, r] codebooks, the
+  largest new tensors: 2 x V x r, 78M params at V=152k, r=256); the selector is read after the last layer.
+- planner.py bytes: per layer + 2 x (2 x taps x H + 2 x taps x G x H) params; the selector 2 x V x r + r x H params
+  with their AdamW state; activations: per conv its [M, 2, taps, G] coefficients and one [M, H] tensor per side;
+  the selector loss [R, K, r] successor rows + [c, K, H] lm_head rows per chunk.
+- decode paths (eval_dflash.py walk/decode, model/fastdecode.py fast loop with CUDA graphs, DDTree): replace the
+  per-slot argmax by selector_walk over candidates(h[1:]); the walk has static shapes and no host sync (graph-safe);
+  DDTree can expand from selector_lattice (the [S, K, K] edge scores) instead of per-slot top-k; the drafter's step()
+  already applies the convs (a block is B contiguous rows; a partial last block is allowed).
+- export and loading: the trainer's export calls export.export_dflash2 for a DFlash2 drafter; eval_dflash.py loads
+  one with export.load_dflash2 (load_drafter refuses it); modeling_dflash.DFlash2DraftModel.spec_generate drafts with
+  the walk; model_card still titles it a DFlash drafter and gives DFlash's serving commands (SGLang's and vLLM's
+  DFlash2 flags are to be checked against their releases).
+- attention: without `is_causal` in config.json, z-lab's reference (dflash/model.py at 10129599) and vLLM make
+  sliding layers causal inside the block with the window, full layers bidirectional: as ours (DFLASH_SPEC.md), and
+  export_dflash2 writes no `is_causal`. z-lab's published DFlash2 drafters say `is_causal: false` with every layer
+  sliding (bidirectional in the block, a two-sided window), so fine-tuning one needs a non-causal sliding mask
+  (attention.py: causal_block=False with a window) and `is_causal: false` in its export; until then
+  DFlash2Config.from_serving refuses an `is_causal` that disagrees with the layer types.
+- unary logits: z-lab's reference scales the noise embedding by `input_embedding_scale` and the unary logits by
+  `output_multiplier` then soft-caps them (`final_logit_softcapping`) before the selector; all absent (1, 1, none)
+  for the Qwen3 drafters, and not implemented here (from_serving refuses a config that sets them): a target that
+  needs them needs them in training too.
+- in-training eval metrics: dflash2_loss.selector_metrics (unary recall@K, teacher-forced selector accuracy, the
+  accepted length of the selector's own path from each anchor), all-reduced and logged beside block_metrics' acc and
+  streak.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .drafter import DecoderLayer, Drafter, DrafterConfig
+
+
+# ---------------------------------------------------------------------------
+# Config
+
+@dataclass
+class DFlash2Config(DrafterConfig):
+    conv_kernel_size: int = 2      # taps of each block-local convolution: slot k reads slots k-taps+1 .. k
+    conv_group_size: int = 16      # channels sharing one dynamic coefficient (divides hidden_size)
+    selector_rank: int = 256       # rank of the bilinear predecessor x hidden x candidate term
+    selector_top_k: int = 16       # K: unary candidates the selector rescores per slot
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.hidden_size % self.conv_group_size == 0, \
+            f"conv_group_size={self.conv_group_size} does not divide hidden_size={self.hidden_size}"
+        assert 1 <= self.conv_kernel_size <= self.block_size, \
+            f"conv_kernel_size={self.conv_kernel_size} outside 1..block_size={self.block_size}"
+        assert self.selector_rank >= 1, f"selector_rank={self.selector_rank}"
+        assert 1 <= self.selector_top_k <= self.vocab_size, \
+            f"selector_top_k={self.selector_top_k} outside 1..vocab_size={self.vocab_size}"
+
+    @property
+    def conv_groups(self) -> int:
+        return self.hidden_size // self.conv_group_size
+
+    @classmethod
+    def from_drafter(cls, cfg: DrafterConfig, **dflash2) -> "DFlash2Config":
+        """A DFlash config plus the DFlash2 fields (conv_kernel_size=, conv_group_size=, selector_rank=,
+        selector_top_k=; the defaults are the published checkpoints')."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig)}, **dflash2)
+
+    @classmethod
+    def from_serving(cls, c: dict) -> "DFlash2Config":
+        """Refuses a config that z-lab's DFlash2DraftModel (the serving reference) would run differently from this
+        drafter rather than load it wrong: an `is_causal` against the layer rule (sliding layers causal, full
+        ones not), or a noise-embedding scale, logit multiplier or soft-cap this project does not implement."""
+        d = c["dflash_config"]
+        layers = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+        if c.get("is_causal") is not None:
+            assert all((t == "sliding_attention") == bool(c["is_causal"]) for t in layers), \
+                f"is_causal={c['is_causal']} with layer_types={layers}: not this drafter's attention"
+        for name in ("input_embedding_scale", "output_multiplier"):
+            assert float(d.get(name, c.get(name, 1.0))) == 1.0, f"{name}={d.get(name, c.get(name))}: not implemented"
+        cap = d.get("final_logit_softcapping", c.get("final_logit_softcapping"))
+        assert cap is None or float(cap) <= 0, f"final_logit_softcapping={cap}: not implemented"
+        return cls.from_drafter(DrafterConfig.from_serving(c), conv_kernel_size=d["conv_kernel_size"],
+                                conv_group_size=d["conv_group_size"], selector_rank=d["selector_rank"],
+                                selector_top_k=d["selector_top_k"])
+
+
+# ---------------------------------------------------------------------------
+# Grouped dynamic causal convolution, inside the block
+
+def block_conv(x, coef, base, block_size: int):
+    """x [M, H] block rows (blocks of block_size contiguous; a last partial block is allowed), coef [M, taps, G]
+    dynamic coefficients, base [taps, H] static kernel -> [M, H]:
+    out[m] = sum_j (base[j] + coef[m, j] expanded over its group) * x[m - j], where slot(m) >= j (no tap crosses a
+    block; before slot 0 is zero)."""
+    M, H = x.shape
+    taps, G = coef.shape[1], coef.shape[2]
+    xg = x.view(M, G, H // G)                                                   # [M, G, gs]
+    slot = torch.arange(M, device=x.device) % block_size                       # [M]
+    out = None
+    for j in range(taps):
+        k = base[j].to(x.dtype).view(1, G, H // G) + coef[:, j, :, None]        # [M, G, gs]
+        if j == 0:
+            term = k * xg
+        else:
+            prev = torch.cat([xg.new_zeros(j, G, H // G), xg[:-j]])              # row m holds x[m - j]
+            term = k * prev * (slot >= j).to(x.dtype)[:, None, None]
+        out = term if out is None else out + term
+    return out.view(M, H)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """The two convolutions around one sublayer: prepare(u) convolves its input and returns the output side's
+    coefficients (made from the same u); finish(y, coef) convolves its output."""
+
+    def __init__(self, hidden_size: int, block_size: int, taps: int, group_size: int):
+        super().__init__()
+        self.block_size, self.taps, self.groups = block_size, taps, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))     # [input/output side, tap, channel]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """The identity: base [1, 0, ...] on both sides, no dynamic part."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def prepare(self, u):
+        coef = self.kernel_projection(u).view(u.shape[0], 2, self.taps, self.groups)      # [M, 2, taps, G]
+        return block_conv(u, coef[:, 0], self.base_kernel[0], self.block_size), coef[:, 1]
+
+    def finish(self, y, coef):
+        return block_conv(y, coef, self.base_kernel[1], self.block_size)
+
+
+class DFlash2Layer(DecoderLayer):
+    def __init__(self, cfg: DFlash2Config):
+        super().__init__(cfg)
+        conv = dict(hidden_size=cfg.hidden_size, block_size=cfg.block_size, taps=cfg.conv_kernel_size,
+                    group_size=cfg.conv_group_size)
+        self.attention_conv = GroupedDynamicCausalConv(**conv)
+        self.mlp_conv = GroupedDynamicCausalConv(**conv)
+
+    def forward(self, x, ctx, cos, sin, mask):
+        u, coef = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(u, ctx, cos, sin, mask), coef)
+        u, coef = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(u), coef)
+
+    def step(self, x, k_ctx, v_ctx, cos, sin, mask):
+        u, coef = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn.step(u, k_ctx, v_ctx, cos, sin, mask), coef)
+        u, coef = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(u), coef)
+
+
+# ---------------------------------------------------------------------------
+# Candidate selector
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))   # [V, r]
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))     # [V, r]
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)         # [r, H]
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """successor_codebook = 0: the bilinear term starts at zero (the walk is the unary argmax) and the successor
+        factor learns first; the other two get signal once it is non-zero."""
+        nn.init.normal_(self.predecessor_codebook, std=0.02)
+        nn.init.zeros_(self.successor_codebook)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+
+    def transition(self, hidden, prev, cand):
+        """hidden [..., H], prev [...] predecessor ids, cand [..., K] candidate ids -> [..., K] fp32 bilinear scores."""
+        ctx = self.predecessor_codebook[prev].float() * self.hidden_projection(hidden).float()    # [..., r]
+        return torch.einsum("...r,...kr->...k", ctx, self.successor_codebook[cand].float())
+
+
+class DFlash2Drafter(Drafter):
+    """Drafter with DFlash2Layers and a candidate_selector. forward / step / context_kv are the Drafter's (the layers
+    carry the convolutions); the selector is applied by the caller on the output (selector_walk, dflash2_loss)."""
+
+    layer_class = DFlash2Layer
+
+    def __init__(self, cfg: DFlash2Config):
+        super().__init__(cfg)
+        self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                    cfg.selector_top_k)
+        self.reset_dflash2()   # after Drafter's init of every Linear: the identity convolutions
+
+    def reset_dflash2(self):
+        """The DFlash2 parameters at their init: identity convolutions, zero transition."""
+        for layer in self.layers:
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+        self.candidate_selector.reset_parameters()
+
+
+def dflash2_keys(drafter: DFlash2Drafter) -> set[str]:
+    """The state-dict keys a DFlash checkpoint does not have."""
+    return {k for k in drafter.state_dict() if ".attention_conv." in k or ".mlp_conv." in k
+            or k.startswith("candidate_selector.")}
+
+
+def warm_start(drafter: DFlash2Drafter, dflash_state: dict) -> None:
+    """Load a DFlash drafter's state dict into a DFlash2 drafter: every backbone key must match (names and shapes),
+    the DFlash2 parameters are reset to their init (identity convolutions, zero transition), so the warm-started
+    drafter drafts exactly what the DFlash one did."""
+    new = dflash2_keys(drafter)
+    extra = sorted(k for k in dflash_state if k in new)
+    assert not extra, f"the DFlash state already holds DFlash2 keys {extra[:4]}: load it with load_state_dict"
+    missing, unexpected = drafter.load_state_dict(dflash_state, strict=False)
+    assert not unexpected, f"keys the DFlash2 drafter does not have: {unexpected[:8]}"
+    assert set(missing) == new, f"backbone keys missing from the DFlash state: {sorted(set(missing) - new)[:8]}"
+    drafter.reset_dflash2()
+
+
+# ---------------------------------------------------------------------------
+# T=0 proposal: the selector's walk from the verified anchor
+
+def candidates(hidden, lm_head_weight, top_k):
+    """hidden [..., H] -> (unary logits of the top-K [..., K] fp32, their ids [..., K]), best first."""
+    logits = (hidden.to(lm_head_weight.dtype) @ lm_head_weight.T).float()                # [..., V]
+    vals, ids = logits.topk(top_k, dim=-1)
+    return vals, ids
+
+
+def selector_lattice(selector, hidden, cand_logits, cand_ids, anchor_ids):
+    """Edge scores of every slot: hidden [n, S, H] of the S drafted slots (block slots 1..B-1), cand_logits and
+    cand_ids [n, S, K], anchor_ids [n] -> [n, S, K (predecessor candidate), K (candidate)]. Slot 0's predecessor is
+    the anchor (its K rows are equal); slot s's are the candidates of slot s-1."""
+    n, S, K = cand_ids.shape
+    prev = torch.cat([anchor_ids[:, None, None].expand(n, 1, K), cand_ids[:, :-1]], dim=1)     # [n, S, K]
+    ctx = (selector.predecessor_codebook[prev].float()
+           * selector.hidden_projection(hidden).float()[:, :, None])                            # [n, S, K, r]
+    succ = selector.successor_codebook[cand_ids].float()                                        # [n, S, K, r]
+    return cand_logits.float()[:, :, None, :] + torch.einsum("nspr,nscr->nspc", ctx, succ)
+
+
+def walk_lattice(lattice, cand_ids):
+    """lattice [n, S, K, K], cand_ids [n, S, K] -> tokens [n, S]: at each slot the best candidate given the one
+    chosen before (static shapes, no host sync)."""
+    n, S, K = cand_ids.shape
+    rows = torch.arange(n, device=cand_ids.device)
+    pick = torch.zeros(n, dtype=torch.long, device=cand_ids.device)   # slot 0: every predecessor row is the anchor
+    out = []
+    for s in range(S):
+        pick = lattice[rows, s, pick].argmax(-1)                                             # [n]
+        out.append(cand_ids[rows, s, pick])
+    return torch.stack(out, dim=1)
+
+
+def selector_walk(selector, hidden, lm_head_weight, anchor_ids):
+    """The T=0 draft of n blocks: hidden [n, S, H] (the drafter's output at the drafted slots), anchor_ids [n] the
+    verified anchors -> tokens [n, S]."""
+    vals, ids = candidates(hidden, lm_head_weight, selector.top_k)
+    return walk_lattice(selector_lattice(selector, hidden, vals, ids, anchor_ids), ids)
