@@ -23,8 +23,8 @@
 #      conversations at 3,000 steps (tau against training seconds: summary.json has both)
 #   4  the drafter's shape at equal data and steps: BLOCK_SIZE 8, 8 layers, against 16 and 5 (a comparison at equal
 #      steps is one at equal GPU time only where the steps cost the same: read the arms' training seconds)
-#   5  six arms in one lease (STEPS=1500): 12K conversations (20% two-turn) at two seeds; 21.6K at the same steps
-#      (more data at equal training time); 40% under a system prompt; 8 layers; BLOCK_SIZE 8
+#   5  five arms in one lease: 12K conversations (20% two-turn) at two seeds; 21.6K at the same steps (more data at
+#      equal training time); 40% under a system prompt; 8 layers
 # Specs: SETS="name:rows:openers:turns:seed:temperature:answer_cap:systems ..." (openers/systems: a file under
 # data/default without .jsonl, "-" for none); ARMS="name:set[@rows]+set[@rows]:--FLAG=V,--FLAG=V ..." (set@N: its
 # first N rows). The first arm is the baseline of every diff.
@@ -70,10 +70,10 @@ data3x:w1+w2:--MAX_STEPS=$(( STEPS * 5 / 2 ))"} ;;
     4) W="$WIN_OPENERS"; S="$WIN_SYSTEMS"
        SETS=${SETS:-"w1:$(k 16):$W:1:0:0:384:$S w2:$(k 4):$W:2:1:0:384:$S"}
        ARMS=${ARMS:-"base:w1+w2: block8:w1+w2:--BLOCK_SIZE=8 layers8:w1+w2:--NUM_DRAFT_LAYERS=8"} ;;
-    5) W="$WIN_OPENERS"   # round 1 left undone: system prompts; then data at equal steps, seed, depth, block size
+    5) W="$WIN_OPENERS"   # round 1 left undone: system prompts; then data at equal steps, seed, depth
        SETS=${SETS:-"w1:$(k 32):$W:1:0:0:384:- w2:$(k 4):$W:2:1:0:384:- s1:$(k 8):$W:1:2:0:384:systems"}
        ARMS=${ARMS:-"base:w1@$(k 16)+w2: base_s1:w1@$(k 16)+w2:--SEED=1 data1.8x:w1+w2: \
-systems:w1@$(k 8)+s1+w2: layers8:w1@$(k 16)+w2:--NUM_DRAFT_LAYERS=8 block8:w1@$(k 16)+w2:--BLOCK_SIZE=8"} ;;
+systems:w1@$(k 8)+s1+w2: layers8:w1@$(k 16)+w2:--NUM_DRAFT_LAYERS=8"} ;;
     *) echo "ROUND=$ROUND: 1, 2, 3, 4 or 5"; exit 2 ;;
 esac
 T0=$(date +%s)
