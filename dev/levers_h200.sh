@@ -23,8 +23,8 @@
 #      conversations at 3,000 steps (tau against training seconds: summary.json has both)
 #   4  the drafter's shape at equal data and steps: BLOCK_SIZE 8, 8 layers, against 16 and 5 (a comparison at equal
 #      steps is one at equal GPU time only where the steps cost the same: read the arms' training seconds)
-#   5  five arms in one lease: 12K conversations (20% two-turn) at two seeds; 21.6K at the same steps (more data at
-#      equal training time); 40% under a system prompt; 8 layers
+#   5  four arms in one short lease: 12K conversations (20% two-turn) at two seeds; 16.8K at the same steps (more
+#      data at equal training time); 30% of the 12K under a system prompt
 # Specs: SETS="name:rows:openers:turns:seed:temperature:answer_cap:systems ..." (openers/systems: a file under
 # data/default without .jsonl, "-" for none); ARMS="name:set[@rows]+set[@rows]:--FLAG=V,--FLAG=V ..." (set@N: its
 # first N rows). The first arm is the baseline of every diff.
@@ -70,10 +70,9 @@ data3x:w1+w2:--MAX_STEPS=$(( STEPS * 5 / 2 ))"} ;;
     4) W="$WIN_OPENERS"; S="$WIN_SYSTEMS"
        SETS=${SETS:-"w1:$(k 16):$W:1:0:0:384:$S w2:$(k 4):$W:2:1:0:384:$S"}
        ARMS=${ARMS:-"base:w1+w2: block8:w1+w2:--BLOCK_SIZE=8 layers8:w1+w2:--NUM_DRAFT_LAYERS=8"} ;;
-    5) W="$WIN_OPENERS"   # round 1 left undone: system prompts; then data at equal steps, seed, depth
-       SETS=${SETS:-"w1:$(k 32):$W:1:0:0:384:- w2:$(k 4):$W:2:1:0:384:- s1:$(k 8):$W:1:2:0:384:systems"}
-       ARMS=${ARMS:-"base:w1@$(k 16)+w2: base_s1:w1@$(k 16)+w2:--SEED=1 data1.8x:w1+w2: \
-systems:w1@$(k 8)+s1+w2: layers8:w1@$(k 16)+w2:--NUM_DRAFT_LAYERS=8"} ;;
+    5) W="$WIN_OPENERS"   # round 1 left undone: system prompts; then data at equal steps, and the seed spread
+       SETS=${SETS:-"w1:$(k 24):$W:1:0:0:384:- w2:$(k 4):$W:2:1:0:384:- s1:$(k 6):$W:1:2:0:384:systems"}
+       ARMS=${ARMS:-"base:w1@$(k 16)+w2: base_s1:w1@$(k 16)+w2:--SEED=1 data1.4x:w1+w2: systems:w1@$(k 10)+s1+w2:"} ;;
     *) echo "ROUND=$ROUND: 1, 2, 3, 4 or 5"; exit 2 ;;
 esac
 T0=$(date +%s)
@@ -198,14 +197,17 @@ print(max(r, key=lambda x: x.get('tau_macro', x['tau']))['drafter'])")
             grep -v "^Loading\|it/s\]" | tail -8; done
     # where the lossless step's time goes (fp32 target, bf16 drafter): kernels by device time; then each dtype's
     # and attention's step times (CUDA-graph replays) side by side
+    # COUNT_OPS=0: no profile or step timings (a lease short of time); the summary below still runs
     local reps=200 prof=(--profile 10); [ "$SMOKE" = 1 ] && { reps=2; prof=(); }
-    $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype float32 --drafter-dtype bfloat16 \
-        --drafter-layers "$LAYERS" --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_fp32_bf16drafter.txt" 2>&1 || \
-        say "count_ops failed (rc $?)"
-    for dt in float32 bfloat16; do for attn in sdpa matmul; do
-        $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype $dt --drafter-dtype bfloat16 \
-            --drafter-layers "$LAYERS" --max-len 1024 --attention $attn --time $reps 2>&1 | grep -a "time per step"
-    done; done | tee "$OUT/fast_steps_attention.txt"
+    if [ "${COUNT_OPS:-1}" = 1 ]; then
+        $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype float32 --drafter-dtype bfloat16 \
+            --drafter-layers "$LAYERS" --max-len 1024 "${prof[@]}" > "$OUT/fast_steps_fp32_bf16drafter.txt" 2>&1 || \
+            say "count_ops failed (rc $?)"
+        for dt in float32 bfloat16; do for attn in sdpa matmul; do
+            $PY -m tools.count_ops --target "$SMOL" --device "$DEV" --dtype $dt --drafter-dtype bfloat16 \
+                --drafter-layers "$LAYERS" --max-len 1024 --attention $attn --time $reps 2>&1 | grep -a "time per step"
+        done; done | tee "$OUT/fast_steps_attention.txt"
+    fi
     for a in $ARMS; do IFS=: read -r name sets extra <<< "$a"     # (each device call has its own $OUT)
         cp "$WORK/prep_$name/stats.json" "$OUT/prep_${name}_stats.json" 2>/dev/null || true
         cp "$WORK/runs/$name/metrics.jsonl" "$OUT/metrics_$name.jsonl" 2>/dev/null || true; done
