@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import eval_dflash
-from data.loader import Data, DataError, Schedule
+from data.loader import Data, DataError, Schedule, read_stats
 from model import fp8
 from model.drafter import Drafter, DrafterConfig
 from model.export import export_drafter
@@ -412,8 +412,9 @@ def save_checkpoint(run):
     # every EVAL_EVERY-th checkpoint is evaluated before it is written, so its export's model card carries its tau
     ev = evaluate(run, run.drafter if not sharded else ckpt.whole_drafter(run.dcfg, full, d.device)) \
         if EVAL_EVERY and (run.saves + 1) % EVAL_EVERY == 0 else None
-    card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, data=run.data.fingerprint(),
-                evaluation=ev)
+    # the card's data hash is stats.json's, which a user can compare (Data.content_hash is the loader's own)
+    card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, evaluation=ev,
+                data={"rows": run.data.num_rows, "content_hash": read_stats(DATA).get("content_hash")})
     state = ckpt.train_state(run.drafter, run.opt, run.step, g, sharded=sharded)
     meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.config, run.data,
                            run.dcfg, run.fingerprint)
