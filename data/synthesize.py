@@ -620,33 +620,14 @@ def run(args, argv) -> dict:
     tok = load_tokenizer(args.tokenizer or args.model)
     pool = connect(args, tok) if args.endpoint else None   # the probe, before anything is written
     config = run_config(args, tok, pool)
-    written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
-    owned = (resume.owner(args.out) or ("",))[0] == "synthesize"
-    back = read_back(args.out, owned) + read_back(rejected_path(args.out), owned)
-    twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
-    if twice:   # two runs wrote at once (before OUT.lock): counting the copies as rows would overshoot --num
-        raise SystemExit(f"synthesize: {args.out} and its rejected file hold {len(twice):,} id(s) more than once (e.g. "
-                         f"{twice[0]}): two runs wrote them at once. Keep the first row of each id in both files, "
-                         f"then run again")
-    for row in back:
-        written[stream_of(row)[0]].append(row)
-    for rows in written.values():
-        rows.sort(key=lambda r: stream_of(r)[1])
+    written = read_written(args.out)
     old = check_resume(stats_path(args.out), config, any(written.values()))
 
     filters = F.Filters(F.heldout_prompts([*F.HELDOUT_DEFAULTS, *args.heldout]))
     openers = read_openers(args.openers) if args.openers else []
     systems = read_systems(args.systems) if args.systems else []
     check_system_role(tok, [args.system] + [sp.text for sp in systems])
-    stats = {s: F.empty_stats() for s in STREAMS}
-    for st in stats.values() if pool else ():
-        st["rejected"][SERVER_ERROR] = 0
-    for s, rows in written.items():  # the filter state, rebuilt as it was built: in index order
-        for row in rows:
-            reason = row.get("rejected")
-            if s == "self" and not filters.opener_reason(row):
-                filters.admit(row)
-            F.count(stats[s], row, reason)
+    stats = rebuild_stats(written, filters, pool)
     want = targets(args, {s: stats[s]["kept"] for s in STREAMS})
     if want != targets(args):
         print(f"synthesize: note: {args.out} holds self {stats['self']['kept']:,}, mix {stats['mix']['kept']:,} rows, "
@@ -676,6 +657,57 @@ def run(args, argv) -> dict:
         return summarize(config, stats, nxt, runs)
     engine, model = load_engine(args, max_len) if not pool else (ServerEngine(pool, args.seed), None)
     synth = Synth(engine, tok, stop_ids(tok, model), filters, args, mix_prompts, openers, systems)
+    stopped, refused = generate(synth, stats, want, nxt, args, kept0, record)
+    wall = time.time() - synth.t0
+    runs.append(run_record(args, synth, engine, pool, wall, stopped))
+    record()
+    print_run(args, synth, stats, want, wall, t_start)
+    summary = summarize(config, stats, nxt, runs)
+    if refused:
+        oc.exit_rejected("synthesize", refused)
+    short = short_message(args, argv, stats, want, nxt, stopped)
+    if short:
+        raise Incomplete(short, summary)
+    return summary
+
+
+def read_written(out: Path) -> dict:
+    """-> {stream: [row]}: the rows --out and its rejected file already hold, per stream, in index order. Exits when
+    an id is there twice."""
+    written = {s: [] for s in STREAMS}  # rows of both files, per stream, in index order
+    owned = (resume.owner(out) or ("",))[0] == "synthesize"
+    back = read_back(out, owned) + read_back(rejected_path(out), owned)
+    twice = [i for i, n in Counter(r["id"] for r in back).items() if n > 1]
+    if twice:   # two runs wrote at once (before OUT.lock): counting the copies as rows would overshoot --num
+        raise SystemExit(f"synthesize: {out} and its rejected file hold {len(twice):,} id(s) more than once (e.g. "
+                         f"{twice[0]}): two runs wrote them at once. Keep the first row of each id in both files, "
+                         f"then run again")
+    for row in back:
+        written[stream_of(row)[0]].append(row)
+    for rows in written.values():
+        rows.sort(key=lambda r: stream_of(r)[1])
+    return written
+
+
+def rebuild_stats(written: dict, filters, pool) -> dict:
+    """-> {stream: stats} of the rows already written; `filters` admits their self-written prompts again, as the
+    runs that wrote them did."""
+    stats = {s: F.empty_stats() for s in STREAMS}
+    for st in stats.values() if pool else ():
+        st["rejected"][SERVER_ERROR] = 0
+    for s, rows in written.items():  # the filter state, rebuilt as it was built: in index order
+        for row in rows:
+            reason = row.get("rejected")
+            if s == "self" and not filters.opener_reason(row):
+                filters.admit(row)
+            F.count(stats[s], row, reason)
+    return stats
+
+
+def generate(synth, stats, want, nxt, args, kept0, record) -> tuple:
+    """generate_rows under a progress bar, the sink and a SIGTERM handler, all closed again however it ends.
+    -> (stopped, refused): what stopped the run early (None when it finished) and the oc.Rejected that did, if one
+    did."""
     from tqdm import tqdm
     bar = tqdm(total=args.num, initial=min(kept0, args.num), desc="synthesize", unit="conv", smoothing=0.1)
     sink = Sink(args.out)
@@ -693,30 +725,32 @@ def run(args, argv) -> dict:
         signal.signal(signal.SIGTERM, previous)
         sink.close()
         bar.close()
-    wall, n_written = time.time() - synth.t0, synth.written
+    return stopped, refused
+
+
+def run_record(args, synth, engine, pool, wall, stopped) -> dict:
+    """-> this run's entry in OUT.stats.json's "runs": rows, tokens, speed and the settings that set the speed."""
+    n_written = synth.written
     es = getattr(engine, "stats", {})  # busy: tokens per slot-step the engine ran (1.0: every slot, every step)
     busy = round(es["generated"] / (es["decode_steps"] * engine.S), 3) if es.get("decode_steps") else None
-    runs.append({"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
-                 "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
-                 "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
-                 **({"endpoints": [e.url for e in pool.endpoints], "concurrency": args.concurrency} if pool else
-                    {"attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
-                     "dtype": args.dtype}),
-                 **({"stopped": stopped} if stopped else {})})
-    record()
+    return {"num": args.num, "rows": n_written, "generated_tokens": synth.tokens, "engine_busy": busy,
+            "wall_s": round(wall, 1), "conv_per_s": round(n_written / wall, 2),
+            "gen_tok_per_s": round(synth.tokens / wall, 1), "batch_size": args.batch_size,
+            **({"endpoints": [e.url for e in pool.endpoints], "concurrency": args.concurrency} if pool else
+               {"attention": args.attention, "compile_sampler": args.compile_sampler, "device": args.device,
+                "dtype": args.dtype}),
+            **({"stopped": stopped} if stopped else {})}
+
+
+def print_run(args, synth, stats, want, wall, t_start):
+    """The run's closing lines: each stream's filter stats, then what was written and how fast."""
+    n_written = synth.written
     for s in STREAMS:
         if want[s] or stats[s]["kept"]:
             print(f"synthesize: {s}: {F.format_stats(stats[s])}")
     print(f"synthesize: wrote {n_written:,} rows to {args.out} in {wall:,.1f} s: {n_written / wall:,.2f} conv/s, "
           f"{synth.tokens / wall:,.0f} generated tok/s ({synth.tokens:,} tokens, rejected and unwritten candidates "
           f"too; {time.time() - t_start:,.1f} s with loading)")
-    summary = summarize(config, stats, nxt, runs)
-    if refused:
-        oc.exit_rejected("synthesize", refused)
-    short = short_message(args, argv, stats, want, nxt, stopped)
-    if short:
-        raise Incomplete(short, summary)
-    return summary
 
 
 def short_message(args, argv, stats, want, nxt, stopped) -> str | None:
