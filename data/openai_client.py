@@ -382,65 +382,8 @@ class Pool:
         capacity = self.concurrency * len(live)
         waiting, reported = {}, {}   # worker thread -> (endpoint, when its request was sent); URL -> next report
 
-        def worker(e: Endpoint):
-            while not stop.is_set():
-                item = work.get()
-                if item is None or stop.is_set():
-                    return
-                if e.down:                  # found down by another of its workers: leave the work to the others
-                    work.put(item)
-                    return
-                tag, path, body, attempt = item
-                me = threading.get_ident()
-                try:
-                    waiting[me] = (e, time.monotonic())   # report_slow reads it
-                    try:
-                        choices = e.post(path, body)
-                    finally:
-                        del waiting[me]
-                    results.put(("ok", tag, choices, None))
-                    continue
-                except Rejected as err:
-                    results.put(("rejected", tag, None, err))
-                    continue
-                except Transient as err:
-                    if e.down:              # another request found it down meanwhile: hand this one over
-                        work.put((tag, path, body, 0))
-                        return
-                    if attempt + 1 < self.tries:
-                        wait = backoff_s(attempt)
-                        self.say(f"{err}; retry {attempt + 2}/{self.tries} in {wait:g} s")   # err names the URL
-                        time.sleep(wait)
-                        work.put((tag, path, body, attempt + 1))
-                        continue
-                    if self.healthy(e):     # the server answers: the request itself fails
-                        results.put(("failed", tag, None, err))
-                        continue
-                    with self.lock:
-                        e.down = True
-                        left = [x.url for x in self.endpoints if not x.down]
-                    self.say(f"{e.url} is down ({err}); " + (f"its requests go to {', '.join(left)}" if left else
-                                                             "no endpoint is left"))
-                    work.put((tag, path, body, 0))
-                    results.put(("down", None, None, err))
-                    return
-
-        def report_slow():
-            """A line per endpoint whose oldest request has waited SLOW_REQUEST_S, again after as long again: a
-            server that takes requests but never answers is seen while the run waits."""
-            now = time.monotonic()
-            slow = {}
-            for e, sent in list(waiting.values()):
-                if now - sent >= SLOW_REQUEST_S:
-                    n, oldest = slow.get(e, (0, now))
-                    slow[e] = (n + 1, min(oldest, sent))
-            for e, (n, oldest) in slow.items():
-                if now >= reported.get(e.url, 0.0):
-                    reported[e.url] = now + SLOW_REQUEST_S
-                    self.say(f"{e.url}: {n} request(s) waiting for an answer, the oldest for {now - oldest:.0f} s "
-                             f"(--timeout {e.timeout:g} s)")
-
-        threads = [threading.Thread(target=worker, args=(e,), daemon=True, name=f"openai-{e.url}-{i}")
+        threads = [threading.Thread(target=self._worker, args=(e, work, results, stop, waiting), daemon=True,
+                                    name=f"openai-{e.url}-{i}")
                    for e in live for i in range(self.concurrency)]
         for t in threads:
             t.start()
@@ -457,9 +400,9 @@ class Pool:
                 try:
                     kind, tag, choices, err = results.get(timeout=SLOW_REQUEST_S / 4)
                 except queue.Empty:
-                    report_slow()
+                    self._report_slow(waiting, reported)
                     continue
-                report_slow()
+                self._report_slow(waiting, reported)
                 if kind == "down":
                     if all(e.down for e in self.endpoints):
                         raise EndpointsDown(f"every endpoint is down ({', '.join(e.url for e in self.endpoints)}); "
@@ -481,3 +424,65 @@ class Pool:
             stop.set()
             for _ in threads:
                 work.put(None)
+
+    def _worker(self, e: Endpoint, work: queue.Queue, results: queue.Queue, stop: threading.Event, waiting: dict):
+        """One of run's threads for endpoint `e`: takes (tag, path, body, attempt) from `work` until a None or `stop`,
+        puts (kind, tag, choices, error) on `results`; retries a Transient with backoff, then hands the request to the
+        other endpoints when `e` itself is down. `waiting` (thread -> (endpoint, when sent)) is what _report_slow
+        reads."""
+        while not stop.is_set():
+            item = work.get()
+            if item is None or stop.is_set():
+                return
+            if e.down:                  # found down by another of its workers: leave the work to the others
+                work.put(item)
+                return
+            tag, path, body, attempt = item
+            me = threading.get_ident()
+            try:
+                waiting[me] = (e, time.monotonic())   # _report_slow reads it
+                try:
+                    choices = e.post(path, body)
+                finally:
+                    del waiting[me]
+                results.put(("ok", tag, choices, None))
+                continue
+            except Rejected as err:
+                results.put(("rejected", tag, None, err))
+                continue
+            except Transient as err:
+                if e.down:              # another request found it down meanwhile: hand this one over
+                    work.put((tag, path, body, 0))
+                    return
+                if attempt + 1 < self.tries:
+                    wait = backoff_s(attempt)
+                    self.say(f"{err}; retry {attempt + 2}/{self.tries} in {wait:g} s")   # err names the URL
+                    time.sleep(wait)
+                    work.put((tag, path, body, attempt + 1))
+                    continue
+                if self.healthy(e):     # the server answers: the request itself fails
+                    results.put(("failed", tag, None, err))
+                    continue
+                with self.lock:
+                    e.down = True
+                    left = [x.url for x in self.endpoints if not x.down]
+                self.say(f"{e.url} is down ({err}); " + (f"its requests go to {', '.join(left)}" if left else
+                                                         "no endpoint is left"))
+                work.put((tag, path, body, 0))
+                results.put(("down", None, None, err))
+                return
+
+    def _report_slow(self, waiting: dict, reported: dict):
+        """A line per endpoint whose oldest request has waited SLOW_REQUEST_S, again after as long again: a
+        server that takes requests but never answers is seen while the run waits."""
+        now = time.monotonic()
+        slow = {}
+        for e, sent in list(waiting.values()):
+            if now - sent >= SLOW_REQUEST_S:
+                n, oldest = slow.get(e, (0, now))
+                slow[e] = (n + 1, min(oldest, sent))
+        for e, (n, oldest) in slow.items():
+            if now >= reported.get(e.url, 0.0):
+                reported[e.url] = now + SLOW_REQUEST_S
+                self.say(f"{e.url}: {n} request(s) waiting for an answer, the oldest for {now - oldest:.0f} s "
+                         f"(--timeout {e.timeout:g} s)")
