@@ -820,122 +820,180 @@ def work_density(anchors, batch, seq) -> str:
 
 
 def report(res, c) -> str:
+    """The markdown report: the run's header, one table of every role's figures, then the memory and kernel
+    sections of the modes that ran."""
     a = res["args"]
     work = work_density(a["anchors"], a["batch"], a["seq"])
-    lines = [f"## DFlash bench: {a['shape']}, {a['batch']} x {a['seq']} tokens "
-             f"({'mixed ' + str(a['min_len']) + '..' + str(a['seq']) if a['mixed'] else 'fixed'}), drafter "
-             f"L={a['layers']} B={a['block']} anchors={a['anchors']} ({work}) taps={c.dcfg.target_layer_ids}",
-             f"{res['env']['device']}, torch {res['env']['torch']}, transformers {res['env']['transformers']}, "
-             f"{str(c.dtype).removeprefix('torch.')}, drafter attention {'flex' if c.flex else 'sdpa'}"
-             + (f"; matmul peak {res['peak_tflops']:.4g} TFLOP/s measured ({DATASHEET_TFLOPS:g} datasheet)"
-                if res.get("peak_tflops") else ""), "",
-             "| role | metric | value |", "|---|---|---|"]
-
-    def row(role, metric, value):
-        lines.append(f"| {role} | {metric} | {value} |")
     est = res["plan"]["roles"]
-    t = res.get("target")
-    if t and "error" not in t:
-        row("target", "tokens/s (real / padded)", f"{_k(t['tok_s'])} / {_k(t['padded_tok_s'])}")
-        row("target", "ms per micro-batch", f"{t['ms_per_micro_batch']:.1f}")
-        row("target", "TFLOP/s; MFU vs measured / datasheet peak",
-            f"{t['tflops']:.4g}; {t['mfu_measured']:.1%} / {t['mfu_datasheet']:.1%}")
-        row("target", "peak GiB measured / estimate (estimate/measured)", _vs(t["peak_mem_bytes"], est["target"]))
-        row("target", "attention, compiled layers, build s", f"{t['attn_implementation']}, {t['compiled']}, "
-                                                             f"{t['build_s']:.1f}")
-    d = res.get("drafter")
-    if d and "error" not in d:
-        row("drafter", "samples/s; context tokens/s (blocks per 1K tokens, per sequence)",
-            f"{d['samples_s']:.2f}; {_k(d['tok_s'])} ({d['blocks_per_1k_tokens']:.0f}, {d['blocks_per_sequence']:.0f})")
-        row("drafter", "ms per step (anchors, supervised rows)",
-            f"{d['ms_per_step']:.1f} ({d['anchors_per_step']:.0f}, {d['supervised_rows_per_step']:.0f})")
-        row("drafter", "TFLOP/s; MFU vs measured / datasheet peak",
-            f"{d['tflops']:.4g}; {d['mfu_measured']:.1%} / {d['mfu_datasheet']:.1%}")
-        row("drafter", "TFLOP per step: " + " / ".join(k for k in d["tflop_per_step"] if k != "total"),
-            " / ".join(f"{v:.4g}" for k, v in d["tflop_per_step"].items() if k != "total")
-            + f" (total {d['tflop_per_step']['total']:.4g})")
-        row("drafter", "prepare ms on the feeder thread, wall (median) / its CPU time (median); main thread queue "
-                       "wait ms per step", f"{d['prepare_ms']:.1f} ({d['prepare_med_ms']:.1f}) / "
-                                           f"{d['prepare_cpu_ms']:.1f} ({d['prepare_cpu_med_ms']:.1f}); "
-                                           f"{d['queue_wait_ms']:.1f}")
-        row("drafter", "peak GiB measured / estimate (estimate/measured)", _vs(d["peak_mem_bytes"], est["drafter"]))
-        if d["saved_bytes"]:
-            row("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
-                f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est['drafter']))}, "
-                f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est['drafter'], 'bf16 copies'))}")
-        row("drafter", "COMPILE_DRAFTER, CE kernel, optimizer overlapped, flex compile s, build s, warmup s",
-            f"{d['compile_drafter']}, {d['ce_kernel']}, {d.get('overlap_optimizer')}, "
-            f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}")
-    p = res.get("pipeline")
-    if p and "error" not in p and "commands" not in p:
-        row("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})")
-        row("pipeline", "features GB/s, MB per micro-batch", f"{p['feature_gb_s']:.1f}, "
-                                                             f"{p['feature_mb_per_micro_batch']:.0f}")
-        row("pipeline", "samples/s; tokens/s" + (f" (target fwd + drafter step, {work})" if p["compute"] else
-                                                 " (transport only)"), f"{p['samples_s']:.2f}; {_k(p['tok_s'])}")
-    if t and d and "error" not in t and "error" not in d:
-        per_sample = d["tok_s"] / d["samples_s"]
-        for n in (2, 4, 8):
-            nt, nd = planner.recommend_split(t["tok_s"], d["tok_s"], n)
-            rate = planner.split_rate(nt, nd, t["tok_s"], d["tok_s"])
-            row("split", f"{n} GPUs: planner.recommend_split from these rates ({work})",
-                f"{nt} target : {nd} drafter => {_k(rate)} tok/s, {_k(rate / n)} tok/s = "
-                f"{rate / n / per_sample:.2f} samples/s per GPU")
-    for role in ("target", "drafter", "pipeline"):
-        if res.get(role, {}).get("error"):
-            row(role, "ERROR", res[role]["error"])
-    if d and "error" not in d and d["phases"]:
-        e = est["drafter"]
-        fwd = {t["short"]: t["bytes"] for t in e["terms"] if t["phases"] != "static" and "forward" in t["phases"]}
-        grads = _est_term(e, "grads")
-        guess = {"before step": (e["static"], "allocated: static terms"),
-                 "forward": (e["static"] + sum(v for k, v in fwd.items() if not k.startswith("CE")),
-                             "allocated: static + bf16 copies + activations"),
-                 "CE": (e["static"] + e["phases"]["forward"], "peak: static + forward phase (the role's peak)"),
-                 "backward": (e["static"] + grads, "allocated: static + gradients (autocast copies freed)")}
-        lines += ["", "drafter memory through one step (GiB), measured against the planner's terms:",
-                  "| phase | allocated at its end | peak inside | estimate | compare with |",
-                  "|---|---:|---:|---:|---|"]
-        for name, ph in d["phases"].items():
-            g, what = guess.get(name, (None, ""))
-            lines.append(f"| {name} | {_gib(ph['allocated'])} | {_gib(ph['peak'])} | "
-                         f"{_gib(g) if g is not None else ''} | {what} |")
-    measured = {r: res[r]["peak_mem_bytes"] for r in ("target", "drafter")
-                if res.get(r) and "error" not in res[r] and res[r].get("peak_mem_bytes")}
-    if p and p.get("compute") and "error" not in p:     # the pipeline's ranks ran the real roles
-        for r in ("target", "drafter"):
-            measured.setdefault(r, p.get(f"{r}_peak_mem_bytes"))
-    lines += ["", "memory estimate, term by term (trainer/planner.py; calibrate its constants against the measured "
-                  "rows):", planner.format_terms(res["plan_full"], measured)]
-    gpu_mem = res["env"]["gpu_mem_bytes"]
-    if gpu_mem:
-        errs = planner.check_fits(res["plan_full"], gpu_mem)
-        lines.append("planner.check_fits on this GPU: " + ("fits" if not errs else "; ".join(errs)))
-    ce = res.get("ce")
-    if ce and "error" not in ce:
-        lines += ["", f"(b'') the CE epilogue alone, one [{ce['rows']}, {ce['vocab']}] chunk of logits",
-                  "| kernel | ms | GB/s of one read + one write | max abs diff vs eager | argmax == eager's |",
-                  "|---|---:|---:|---:|---|"]
-        for name, r in ce["kernels"].items():
-            lines.append(f"| {name} | {r['ms']:.3f} | {r['gb_s']:.0f} | {r['max_abs_diff_vs_eager']:.3g} | "
-                         f"{r['same_argmax']} |")
-    fx = res.get("flex")
-    if fx and "error" not in fx:
-        lines += ["", f"(b') one drafter layer's flex_attention on the bench mask: q {fx['q_len']}, kv {fx['kv_len']}, "
-                      f"heads/kv heads/dim {fx['heads']}, {fx['visible_pairs']:,} visible pairs; TFLOP/s on those "
-                      "pairs (backward = 2x forward FLOPs)",
-                  "| kernel_options | fwd ms (TFLOP/s) | bwd ms (TFLOP/s) | compile s | max abs diff vs default |",
-                  "|---|---:|---:|---:|---:|"]
-        for r in fx["rows"]:
-            label = f"{r['name']}: `{json.dumps(r['options'])}`"
-            lines.append(f"| {label} | error: {r['error']} | | | |" if "error" in r else
-                         f"| {label} | {r['fwd_ms']:.3f} ({r['fwd_tflops']:.0f}) | {r['bwd_ms']:.3f} "
-                         f"({r['bwd_tflops']:.0f}) | {r['compile_s']:.0f} | {r['max_abs_diff_vs_default']:.3g} |")
+    t, d, p = res.get("target"), res.get("drafter"), res.get("pipeline")
+    rows = [*_target_rows(t, est), *_drafter_rows(d, est), *_pipeline_rows(p, work),
+            *_split_rows(t, d, work)]
+    rows += [(role, "ERROR", res[role]["error"]) for role in ("target", "drafter", "pipeline")
+             if res.get(role, {}).get("error")]
+    lines = [*_report_header(res, c, work), "", "| role | metric | value |", "|---|---|---|",
+             *(f"| {role} | {metric} | {value} |" for role, metric, value in rows)]
+    lines += _drafter_phase_table(d, est)
+    lines += _memory_terms(res, p)
+    lines += _ce_table(res.get("ce"))
+    lines += _flex_table(res.get("flex"))
     if res.get("commands"):
         lines += ["", "(c) pipeline commands: the bench's synthetic pipeline (transport only, then target forward + "
                       "drafter step), and train_dflash.py itself on a random target and synthetic data of this shape:"]
         lines += [f"    {x}" for x in res["commands"]]
     return "\n".join(lines)
+
+
+def _report_header(res, c, work) -> list[str]:
+    """The shape, the drafter, the software and the matmul peak the MFU figures are read against."""
+    a = res["args"]
+    return [f"## DFlash bench: {a['shape']}, {a['batch']} x {a['seq']} tokens "
+            f"({'mixed ' + str(a['min_len']) + '..' + str(a['seq']) if a['mixed'] else 'fixed'}), drafter "
+            f"L={a['layers']} B={a['block']} anchors={a['anchors']} ({work}) taps={c.dcfg.target_layer_ids}",
+            f"{res['env']['device']}, torch {res['env']['torch']}, transformers {res['env']['transformers']}, "
+            f"{str(c.dtype).removeprefix('torch.')}, drafter attention {'flex' if c.flex else 'sdpa'}"
+            + (f"; matmul peak {res['peak_tflops']:.4g} TFLOP/s measured ({DATASHEET_TFLOPS:g} datasheet)"
+               if res.get("peak_tflops") else "")]
+
+
+def _target_rows(t, est) -> list[tuple]:
+    """(role, metric, value) rows of (a), the target's capacity against its estimate in `est` (the plan's
+    roles); none when it did not run or failed."""
+    if not t or "error" in t:
+        return []
+    return [("target", "tokens/s (real / padded)", f"{_k(t['tok_s'])} / {_k(t['padded_tok_s'])}"),
+            ("target", "ms per micro-batch", f"{t['ms_per_micro_batch']:.1f}"),
+            ("target", "TFLOP/s; MFU vs measured / datasheet peak",
+             f"{t['tflops']:.4g}; {t['mfu_measured']:.1%} / {t['mfu_datasheet']:.1%}"),
+            ("target", "peak GiB measured / estimate (estimate/measured)", _vs(t["peak_mem_bytes"], est["target"])),
+            ("target", "attention, compiled layers, build s", f"{t['attn_implementation']}, {t['compiled']}, "
+                                                              f"{t['build_s']:.1f}")]
+
+
+def _drafter_rows(d, est) -> list[tuple]:
+    """(role, metric, value) rows of (b), the drafter's capacity; none when it did not run or failed."""
+    if not d or "error" in d:
+        return []
+    est = est["drafter"]
+    rows = [("drafter", "samples/s; context tokens/s (blocks per 1K tokens, per sequence)",
+             f"{d['samples_s']:.2f}; {_k(d['tok_s'])} ({d['blocks_per_1k_tokens']:.0f}, "
+             f"{d['blocks_per_sequence']:.0f})"),
+            ("drafter", "ms per step (anchors, supervised rows)",
+             f"{d['ms_per_step']:.1f} ({d['anchors_per_step']:.0f}, {d['supervised_rows_per_step']:.0f})"),
+            ("drafter", "TFLOP/s; MFU vs measured / datasheet peak",
+             f"{d['tflops']:.4g}; {d['mfu_measured']:.1%} / {d['mfu_datasheet']:.1%}"),
+            ("drafter", "TFLOP per step: " + " / ".join(k for k in d["tflop_per_step"] if k != "total"),
+             " / ".join(f"{v:.4g}" for k, v in d["tflop_per_step"].items() if k != "total")
+             + f" (total {d['tflop_per_step']['total']:.4g})"),
+            ("drafter", "prepare ms on the feeder thread, wall (median) / its CPU time (median); main thread queue "
+                        "wait ms per step", f"{d['prepare_ms']:.1f} ({d['prepare_med_ms']:.1f}) / "
+                                            f"{d['prepare_cpu_ms']:.1f} ({d['prepare_cpu_med_ms']:.1f}); "
+                                            f"{d['queue_wait_ms']:.1f}"),
+            ("drafter", "peak GiB measured / estimate (estimate/measured)", _vs(d["peak_mem_bytes"], est))]
+    if d["saved_bytes"]:
+        rows.append(("drafter", "saved for backward GiB: activations, bf16 weight copies (measured / estimate)",
+                     f"{_gib(d['saved_bytes']['activations'])} / {_gib(_est_acts(est))}, "
+                     f"{_gib(d['saved_bytes']['weight copies'])} / {_gib(_est_term(est, 'bf16 copies'))}"))
+    rows.append(("drafter", "COMPILE_DRAFTER, CE kernel, optimizer overlapped, flex compile s, build s, warmup s",
+                 f"{d['compile_drafter']}, {d['ce_kernel']}, {d.get('overlap_optimizer')}, "
+                 f"{d['flex_compile_s']:.1f}, {d['build_s']:.1f}, {d['warmup_s']:.1f}"))
+    return rows
+
+
+def _pipeline_rows(p, work) -> list[tuple]:
+    """(role, metric, value) rows of (c), the pipeline this process measured; none when it only printed the
+    commands, did not run or failed."""
+    if not p or "error" in p or "commands" in p:
+        return []
+    return [("pipeline", "micro-batches/s consumer (producer)", f"{p['mb_s']:.2f} ({p['producer_mb_s']:.2f})"),
+            ("pipeline", "features GB/s, MB per micro-batch", f"{p['feature_gb_s']:.1f}, "
+                                                              f"{p['feature_mb_per_micro_batch']:.0f}"),
+            ("pipeline", "samples/s; tokens/s" + (f" (target fwd + drafter step, {work})" if p["compute"] else
+                                                  " (transport only)"), f"{p['samples_s']:.2f}; {_k(p['tok_s'])}")]
+
+
+def _split_rows(t, d, work) -> list[tuple]:
+    """(role, metric, value) rows of planner.recommend_split on 2, 4 and 8 GPUs from the measured target and
+    drafter rates; none unless both ran."""
+    if not (t and d and "error" not in t and "error" not in d):
+        return []
+    per_sample = d["tok_s"] / d["samples_s"]
+    rows = []
+    for n in (2, 4, 8):
+        nt, nd = planner.recommend_split(t["tok_s"], d["tok_s"], n)
+        rate = planner.split_rate(nt, nd, t["tok_s"], d["tok_s"])
+        rows.append(("split", f"{n} GPUs: planner.recommend_split from these rates ({work})",
+                     f"{nt} target : {nd} drafter => {_k(rate)} tok/s, {_k(rate / n)} tok/s = "
+                     f"{rate / n / per_sample:.2f} samples/s per GPU"))
+    return rows
+
+
+def _drafter_phase_table(d, est) -> list[str]:
+    """The drafter's memory at the end of each phase of one step, beside the planner terms it should match."""
+    if not (d and "error" not in d and d["phases"]):
+        return []
+    e = est["drafter"]
+    fwd = {t["short"]: t["bytes"] for t in e["terms"] if t["phases"] != "static" and "forward" in t["phases"]}
+    grads = _est_term(e, "grads")
+    guess = {"before step": (e["static"], "allocated: static terms"),
+             "forward": (e["static"] + sum(v for k, v in fwd.items() if not k.startswith("CE")),
+                         "allocated: static + bf16 copies + activations"),
+             "CE": (e["static"] + e["phases"]["forward"], "peak: static + forward phase (the role's peak)"),
+             "backward": (e["static"] + grads, "allocated: static + gradients (autocast copies freed)")}
+    lines = ["", "drafter memory through one step (GiB), measured against the planner's terms:",
+             "| phase | allocated at its end | peak inside | estimate | compare with |",
+             "|---|---:|---:|---:|---|"]
+    for name, ph in d["phases"].items():
+        g, what = guess.get(name, (None, ""))
+        lines.append(f"| {name} | {_gib(ph['allocated'])} | {_gib(ph['peak'])} | "
+                     f"{_gib(g) if g is not None else ''} | {what} |")
+    return lines
+
+
+def _memory_terms(res, p) -> list[str]:
+    """The planner's estimate term by term beside the peaks measured (by the roles, or by the pipeline's ranks when
+    they ran the real roles), and whether it fits this GPU."""
+    measured = {r: res[r]["peak_mem_bytes"] for r in ("target", "drafter")
+                if res.get(r) and "error" not in res[r] and res[r].get("peak_mem_bytes")}
+    if p and p.get("compute") and "error" not in p:     # the pipeline's ranks ran the real roles
+        for r in ("target", "drafter"):
+            measured.setdefault(r, p.get(f"{r}_peak_mem_bytes"))
+    lines = ["", "memory estimate, term by term (trainer/planner.py; calibrate its constants against the measured "
+                 "rows):", planner.format_terms(res["plan_full"], measured)]
+    gpu_mem = res["env"]["gpu_mem_bytes"]
+    if gpu_mem:
+        errs = planner.check_fits(res["plan_full"], gpu_mem)
+        lines.append("planner.check_fits on this GPU: " + ("fits" if not errs else "; ".join(errs)))
+    return lines
+
+
+def _ce_table(ce) -> list[str]:
+    """(b'') the CE epilogue kernels on one chunk of logits, when --mode ce ran."""
+    if not ce or "error" in ce:
+        return []
+    lines = ["", f"(b'') the CE epilogue alone, one [{ce['rows']}, {ce['vocab']}] chunk of logits",
+             "| kernel | ms | GB/s of one read + one write | max abs diff vs eager | argmax == eager's |",
+             "|---|---:|---:|---:|---|"]
+    for name, r in ce["kernels"].items():
+        lines.append(f"| {name} | {r['ms']:.3f} | {r['gb_s']:.0f} | {r['max_abs_diff_vs_eager']:.3g} | "
+                     f"{r['same_argmax']} |")
+    return lines
+
+
+def _flex_table(fx) -> list[str]:
+    """(b') flex_attention's kernel options on the bench mask, when --mode flex ran."""
+    if not fx or "error" in fx:
+        return []
+    lines = ["", f"(b') one drafter layer's flex_attention on the bench mask: q {fx['q_len']}, kv {fx['kv_len']}, "
+                 f"heads/kv heads/dim {fx['heads']}, {fx['visible_pairs']:,} visible pairs; TFLOP/s on those "
+                 "pairs (backward = 2x forward FLOPs)",
+             "| kernel_options | fwd ms (TFLOP/s) | bwd ms (TFLOP/s) | compile s | max abs diff vs default |",
+             "|---|---:|---:|---:|---:|"]
+    for r in fx["rows"]:
+        label = f"{r['name']}: `{json.dumps(r['options'])}`"
+        lines.append(f"| {label} | error: {r['error']} | | | |" if "error" in r else
+                     f"| {label} | {r['fwd_ms']:.3f} ({r['fwd_tflops']:.0f}) | {r['bwd_ms']:.3f} "
+                     f"({r['bwd_tflops']:.0f}) | {r['compile_s']:.0f} | {r['max_abs_diff_vs_default']:.3g} |")
+    return lines
 
 
 def _est_term(role, short):
