@@ -226,6 +226,10 @@ class CandidateSelector(nn.Module):
         nn.init.zeros_(self.successor_codebook)
         nn.init.normal_(self.hidden_projection.weight, std=0.02)
 
+    def forward(self, hidden, prev, cand):
+        """transition() as the module's forward: FSDP2 all-gathers the selector (its own unit) around it."""
+        return self.transition(hidden, prev, cand)
+
     def transition(self, hidden, prev, cand):
         """hidden [..., H], prev [...] predecessor ids, cand [..., K] candidate ids -> [..., K] fp32 bilinear scores."""
         ctx = self.predecessor_codebook[prev].float() * self.hidden_projection(hidden).float()    # [..., r]
@@ -237,6 +241,7 @@ class DFlash2Drafter(Drafter):
     carry the convolutions); the selector is applied by the caller on the output (selector_walk, dflash2_loss)."""
 
     layer_class = DFlash2Layer
+    arch = "dflash2"
 
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
@@ -250,6 +255,19 @@ class DFlash2Drafter(Drafter):
             layer.attention_conv.reset_parameters()
             layer.mlp_conv.reset_parameters()
         self.candidate_selector.reset_parameters()
+
+    def param_chunks(self) -> list[list[nn.Parameter]]:
+        """Drafter's chunks (the convolutions live in the layers) plus the selector, read after the final norm."""
+        return [*super().param_chunks(), list(self.candidate_selector.parameters())]
+
+    def shard_units(self) -> list[nn.Module]:
+        """The layers, then the selector as its own FSDP2 unit (two [V, r] codebooks: the largest new tensors)."""
+        return [*super().shard_units(), self.candidate_selector]
+
+    def draft_tokens(self, hidden, lm_head, anchor_ids):
+        """The T=0 draft: the selector's walk from the verified anchors (hidden [n, S, H], anchor_ids [n] ->
+        tokens [n, S]); static shapes, no host sync."""
+        return selector_walk(self.candidate_selector, hidden, lm_head.weight, anchor_ids)
 
 
 def dflash2_keys(drafter: DFlash2Drafter) -> set[str]:

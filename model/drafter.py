@@ -302,6 +302,7 @@ class DecoderLayer(nn.Module):
 
 class Drafter(nn.Module):
     layer_class = DecoderLayer   # a subclass's own layers (model/dflash2.py), built once
+    arch = "dflash"              # its DRAFTER_ARCH (model/drafters.py)
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -327,6 +328,11 @@ class Drafter(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         """The modules DRAFTER_SHARDING=fsdp shards one by one, before the root (which keeps fc and the norms)."""
         return list(self.layers)
+
+    def draft_tokens(self, hidden, lm_head, anchor_ids):
+        """The T=0 draft of n blocks: hidden [n, S, H] at the drafted slots, lm_head the target's (nn.Linear),
+        anchor_ids [n] the verified anchors (unused here) -> tokens [n, S]: the argmax of each slot."""
+        return lm_head(hidden.to(lm_head.weight.dtype)).argmax(-1)
 
     @staticmethod
     def _init_weights(m):

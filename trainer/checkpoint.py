@@ -465,10 +465,10 @@ def write_run_info(out_dir, config, world, split, data, dcfg, fingerprint, resum
     (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
 
 
-def whole_drafter(dcfg, state, device) -> Drafter:
-    """A sharded drafter's gathered state as one plain Drafter on `device`, for the master's evaluation (the FSDP2
-    module's forward is a collective of every drafter rank)."""
+def whole_drafter(dcfg, state, device, cls=Drafter) -> Drafter:
+    """A sharded drafter's gathered state as one plain drafter of class cls (model/drafters.py ARCHS) on `device`,
+    for the master's evaluation (the FSDP2 module's forward is a collective of every drafter rank)."""
     with torch.device("meta"):
-        drafter = Drafter(dcfg)
+        drafter = cls(dcfg)
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device)
