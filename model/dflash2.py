@@ -264,6 +264,17 @@ class DFlash2Drafter(Drafter):
         """The layers, then the selector as its own FSDP2 unit (two [V, r] codebooks: the largest new tensors)."""
         return [*super().shard_units(), self.candidate_selector]
 
+    @staticmethod
+    def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
+        """Drafter.memory_terms: per layer two convolutions of 2 x taps x H (base) + 2 x taps x G x H (projection)
+        params; the selector 2 x V x r + r x H; per convolution its [M, 2, taps, G] coefficients and an [M, H] tensor
+        per side; the selector loss [R, K, r] successor rows and [R, r] twice in fp32, [ce_rows, K, H] lm_head rows."""
+        taps, r, K = knobs["CONV_KERNEL_SIZE"], knobs["SELECTOR_RANK"], knobs["SELECTOR_TOP_K"]
+        G = H // knobs["CONV_GROUP_SIZE"]
+        return {"params": L * 2 * (2 * taps * H + 2 * taps * G * H) + 2 * V * r + r * H,
+                "acts": L * 2 * (M * 2 * taps * G + 2 * M * H),
+                "loss_fp32": R * K * r + 2 * R * r + 4 * R * K, "loss_bf16": ce_rows * K * H}
+
     def draft_tokens(self, hidden, lm_head, anchor_ids):
         """The T=0 draft: the selector's walk from the verified anchors (hidden [n, S, H], anchor_ids [n] ->
         tokens [n, S]); static shapes, no host sync."""

@@ -335,6 +335,14 @@ class Drafter(nn.Module):
         return lm_head(hidden.to(lm_head.weight.dtype)).argmax(-1)
 
     @staticmethod
+    def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
+        """What this architecture adds to trainer/planner.py's DFlash terms, in elements (the planner applies the
+        dtypes): params (trainable: with their gradients and AdamW state), acts (saved forward activations, in the
+        activation dtype), loss_fp32 and loss_bf16 (the loss's extra temporaries). H hidden, V vocab, L layers,
+        M = N*B block rows, R supervised rows, ce_rows the CE chunk's rows, knobs the trainer's settings."""
+        return {"params": 0, "acts": 0, "loss_fp32": 0, "loss_bf16": 0}
+
+    @staticmethod
     def _init_weights(m):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
