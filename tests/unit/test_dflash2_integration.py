@@ -147,3 +147,10 @@ def _cfg(target_dir):
     from model.drafter import DrafterConfig
     hf = AutoConfig.from_pretrained(target_dir, local_files_only=True)
     return DrafterConfig.from_target(hf, 2, B, mask_token_id=hf.vocab_size - 1)
+
+
+def test_drafter_fp8_leaves_dflash2s_small_linears_alone(walkers):
+    from model.fp8 import drafter_linears
+    names = drafter_linears(walkers[0])
+    assert names and not [n for n in names if "_conv." in n or n.startswith("candidate_selector.")]
+    assert {n.rsplit(".", 1)[-1] for n in names} >= {"q_proj", "o_proj", "down_proj"}
