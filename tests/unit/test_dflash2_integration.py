@@ -154,3 +154,22 @@ def test_drafter_fp8_leaves_dflash2s_small_linears_alone(walkers):
     names = drafter_linears(walkers[0])
     assert names and not [n for n in names if "_conv." in n or n.startswith("candidate_selector.")]
     assert {n.rsplit(".", 1)[-1] for n in names} >= {"q_proj", "o_proj", "down_proj"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
+def test_cuda_graphs_walk_equals_eager_and_the_decode_loop(small_vocab, walkers):
+    """On a GPU, fp32: the fast loop's graph replays (convolutions and the selector's walk captured) give the eager
+    steps' tokens and steps, and the HF decode loop's."""
+    import copy
+    path, model, rows = small_vocab
+    model = copy.deepcopy(model).cuda()
+    prompts = [r["input_ids"] for r in rows]
+    n = max(map(len, prompts)) + 30 + B - 1
+    graphs, eager = FastDecoder(model, n), FastDecoder(model, n, cuda_graphs=False)
+    assert graphs.cuda_graphs
+    for d2 in walkers:
+        d2 = copy.deepcopy(d2).cuda()
+        prop, sg, se = DrafterProposer(d2, model), graphs.drafter(d2, B), eager.drafter(d2, B)
+        for p in prompts:
+            want = speculative_decode(model, p, prop, B, 30, set())
+            assert graphs.speculative(p, sg, 30, set()) == eager.speculative(p, se, 30, set()) == want
