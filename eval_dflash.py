@@ -78,7 +78,7 @@ from model.decode import (TREE_TOP_K, DrafterProposer, device_name, draft_streak
                           teacher_forced_streak, walk_steps, walk_tree_steps)
 from model.engine import SUPPORTED
 from model.drafter import Drafter
-from model.drafters import load_export
+from model.drafters import export_arch, load_export
 from model.fastdecode import ATTENTION, FastDecoder
 from model.hub import resolve_model_path
 from model.target import Target
@@ -603,6 +603,9 @@ def check_args(a) -> list[str]:
                         f"model.safetensors), e.g. runs/NAME/checkpoints/step_NNNNNN/drafter")
             continue
         c = json.loads((path / "config.json").read_text())
+        if a.tree_budget and export_arch(path) != "dflash":
+            errs.append(f"--tree-budget {a.tree_budget} with --drafter {path}: DDTree expands each slot's unary top-k, "
+                        f"and a DFlash2 drafter proposes by its selector's walk; drop --tree-budget for it")
         mask_id = (c.get("dflash_config") or {}).get("mask_token_id")
         if not isinstance(mask_id, int) or not 0 <= mask_id < target.vocab_size:
             errs.append(f"--drafter {path}: its mask_token_id {mask_id} is not a row of the target's embedding "

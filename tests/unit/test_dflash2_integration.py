@@ -173,3 +173,23 @@ def test_cuda_graphs_walk_equals_eager_and_the_decode_loop(small_vocab, walkers)
         for p in prompts:
             want = speculative_decode(model, p, prop, B, 30, set())
             assert graphs.speculative(p, sg, 30, set()) == eager.speculative(p, se, 30, set()) == want
+
+
+def test_cli_reads_a_dflash2_export_and_its_methods_agree(small_vocab, walkers, tmp_path, capsys):
+    """eval_dflash.py takes a DFlash2 export (by its config's architectures): --method decode lossless, --method walk
+    and --method fast with decode's tau; --tree-budget refused naming DFlash2."""
+    import json
+    from eval_dflash import main
+    from model.export import export_dflash2
+    path, model, rows = small_vocab
+    export_dflash2(walkers[0], tmp_path / "d", dtype=torch.float32)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--target", str(path), "--drafter", str(tmp_path / "d"), "--prompts", str(tmp_path / "p.jsonl"),
+            "--device", "cpu", "--max-new-tokens", "24"]
+    decode = main(args)
+    assert decode["lossless"] and decode["prompts"] == len(rows)
+    for method in ("walk", "fast"):
+        res = main(args + ["--method", method])
+        assert res["tau"] == decode["tau"] and res["accept_hist"] == decode["accept_hist"], method
+    with pytest.raises(SystemExit, match="a DFlash2 drafter proposes by its selector's walk; drop --tree-budget"):
+        main(args + ["--tree-budget", "4"])
