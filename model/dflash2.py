@@ -45,8 +45,8 @@ Where the rest of the tree meets it (model/drafters.py's ARCHS row "dflash2", DR
   selector, so the division by the global sum of w is unchanged) and selector_metrics, taken before the backward
   and logged beside acc and streak (sel_recall, sel_acc, sel_streak).
 - param_chunks: the layers' chunks hold the convolutions, the selector is one more chunk after the final norm
-  (params_ready waits for it before the loss). Weight decay: base_kernel is 3-D, so WEIGHT_DECAY > 0 decays it
-  and the codebooks like any matrix (the default WEIGHT_DECAY is 0).
+  (params_ready waits for it before the loss). no_decay_params keeps the base kernels and the codebooks out of
+  WEIGHT_DECAY.
 - shard_units: the layers, then the selector as its own FSDP2 unit, not resharded after its forward (the metrics
   read it between the loss and the backward). The loss calls the selector's forward, so FSDP2 gathers it.
 - memory_terms: the per-layer convolution params and activations, the selector params (with their gradients and
@@ -254,6 +254,13 @@ class DFlash2Drafter(Drafter):
     def shard_units(self) -> list[nn.Module]:
         """The layers, then the selector as its own FSDP2 unit (two [V, r] codebooks: the largest new tensors)."""
         return [*super().shard_units(), self.candidate_selector]
+
+    def no_decay_params(self) -> list[nn.Parameter]:
+        """The base kernels (the identity they should stay near, not zero) and the codebooks (embedding-like tables
+        whose rows most steps do not read) keep out of weight decay."""
+        sel = self.candidate_selector
+        return [p for layer in self.layers for conv in (layer.attention_conv, layer.mlp_conv)
+                for p in (conv.base_kernel,)] + [sel.predecessor_codebook, sel.successor_codebook]
 
     @staticmethod
     def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:

@@ -334,6 +334,10 @@ class Drafter(nn.Module):
         anchor_ids [n] the verified anchors (unused here) -> tokens [n, S]: the argmax of each slot."""
         return lm_head(hidden.to(lm_head.weight.dtype)).argmax(-1)
 
+    def no_decay_params(self) -> list[nn.Parameter]:
+        """Matrices WEIGHT_DECAY leaves alone (vectors never decay): none in DFlash."""
+        return []
+
     @staticmethod
     def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
         """What this architecture adds to trainer/planner.py's DFlash terms, in elements (the planner applies the

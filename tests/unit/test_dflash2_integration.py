@@ -43,6 +43,12 @@ def test_param_chunks_cover_a_dflash2_drafter_and_the_selector_is_its_own_unit(w
     assert len(chunks) == d2.config.num_hidden_layers + 3
     assert {id(p) for p in chunks[-1]} == {id(p) for p in d2.candidate_selector.parameters()}
     assert d2.shard_units()[-1] is d2.candidate_selector
+    opt = make_optimizer(d2, 1e-3, 0.1)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] for p in g["params"]}
+    kept = {id(p) for p in d2.no_decay_params()}
+    assert kept and not kept & decayed
+    assert id(d2.candidate_selector.hidden_projection.weight) in decayed
+    assert id(d2.layers[0].mlp_conv.kernel_projection.weight) in decayed
 
 
 def test_the_walk_is_not_the_argmax(small_vocab, walkers):
