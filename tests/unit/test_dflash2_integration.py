@@ -199,3 +199,11 @@ def test_cli_reads_a_dflash2_export_and_its_methods_agree(small_vocab, walkers, 
         assert res["tau"] == decode["tau"] and res["accept_hist"] == decode["accept_hist"], method
     with pytest.raises(SystemExit, match="a DFlash2 drafter proposes by its selector's walk; drop --tree-budget"):
         main(args + ["--tree-budget", "4"])
+
+
+def test_a_resume_names_a_changed_dflash2_setting(tiny_qwen3_dir):
+    from trainer.checkpoint import resume_mismatches
+    cfg = DFlash2Config.from_drafter(_cfg(tiny_qwen3_dir), selector_rank=8)
+    old = DFlash2Config.from_drafter(_cfg(tiny_qwen3_dir), selector_rank=16)
+    errs = resume_mismatches({"drafter": old.__dict__}, cfg, {})
+    assert errs == ["SELECTOR_RANK: the checkpoint has selector_rank=16, this run 8"]
