@@ -285,16 +285,22 @@ def dflash2_keys(drafter: DFlash2Drafter) -> set[str]:
             or k.startswith("candidate_selector.")}
 
 
-def warm_start(drafter: DFlash2Drafter, dflash_state: dict) -> None:
+def warm_start(drafter: DFlash2Drafter, dflash_state: dict, assign: bool = False) -> None:
     """Load a DFlash drafter's state dict into a DFlash2 drafter: every backbone key must match (names and shapes),
     the DFlash2 parameters are reset to their init (identity convolutions, zero transition), so the warm-started
-    drafter drafts exactly what the DFlash one did."""
+    drafter drafts exactly what the DFlash one did. assign: a meta-device build takes the state's tensors
+    (load_state_dict(assign=True)) and its DFlash2 parameters are materialised on the state's device and dtype."""
     new = dflash2_keys(drafter)
     extra = sorted(k for k in dflash_state if k in new)
     assert not extra, f"the DFlash state already holds DFlash2 keys {extra[:4]}: load it with load_state_dict"
-    missing, unexpected = drafter.load_state_dict(dflash_state, strict=False)
+    missing, unexpected = drafter.load_state_dict(dflash_state, strict=False, assign=assign)
     assert not unexpected, f"keys the DFlash2 drafter does not have: {unexpected[:8]}"
     assert set(missing) == new, f"backbone keys missing from the DFlash state: {sorted(set(missing) - new)[:8]}"
+    if assign:
+        like = next(iter(dflash_state.values()))
+        for m in [c for layer in drafter.layers for c in (layer.attention_conv, layer.mlp_conv)] \
+                + [drafter.candidate_selector]:
+            m.to_empty(device=like.device).to(like.dtype)
     drafter.reset_dflash2()
 
 

@@ -207,3 +207,18 @@ def test_a_resume_names_a_changed_dflash2_setting(tiny_qwen3_dir):
     old = DFlash2Config.from_drafter(_cfg(tiny_qwen3_dir), selector_rank=16)
     errs = resume_mismatches({"drafter": old.__dict__}, cfg, {})
     assert errs == ["SELECTOR_RANK: the checkpoint has selector_rank=16, this run 8"]
+
+
+def test_a_meta_build_warm_started_materialises_the_new_params(tiny_qwen3_dir, build_drafter):
+    """DFlash2 built on the meta device + warm_start(assign=True) from a DFlash state: every parameter real, the
+    backbone the state's tensors, the convolutions the identity, and the DFlash drafter's outputs."""
+    from model.dflash2 import warm_start
+    from test_drafter import packed_batch, run
+    dflash = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B, seed=4)
+    with torch.device("meta"):
+        d2 = DFlash2Drafter(DFlash2Config.from_drafter(dflash.config, selector_rank=8, selector_top_k=4))
+    warm_start(d2, {k: v.clone() for k, v in dflash.state_dict().items()}, assign=True)
+    assert not any(p.is_meta for p in d2.parameters()) and not any(b.is_meta for b in d2.buffers())
+    assert not d2.candidate_selector.successor_codebook.any()
+    batch = packed_batch(dflash)
+    assert torch.equal(run(d2, batch), run(dflash, batch))
