@@ -77,7 +77,8 @@ from model.decode import (TREE_TOP_K, DrafterProposer, device_name, draft_streak
                           greedy_decode, greedy_references, speculative_decode, sync_device, target_forward,
                           teacher_forced_streak, walk_steps, walk_tree_steps)
 from model.engine import SUPPORTED
-from model.export import load_drafter
+from model.drafter import Drafter
+from model.drafters import export_arch, load_export
 from model.fastdecode import ATTENTION, FastDecoder
 from model.hub import resolve_model_path
 from model.target import Target
@@ -305,6 +306,10 @@ def check_method(method, proposers, tree_budget, model) -> None:
         raise ValueError(f"--method {method} runs the Drafter itself: it needs Drafters, not other proposers")
     if method == "fast" and tree_budget:
         raise ValueError("--method fast verifies blocks only: drop --tree-budget, or use --method decode for DDTree")
+    if tree_budget and any(type(p.drafter).draft_tokens is not Drafter.draft_tokens for p in proposers
+                           if isinstance(p, DrafterProposer)):
+        raise ValueError("DDTree expands each slot's unary top-k, and a DFlash2 drafter proposes by its selector's "
+                         "walk: drop --tree-budget for a DFlash2 drafter")
     if tree_budget and model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"DDTree needs a 4D custom mask: load the target with attn_implementation='sdpa' or "
                          f"'eager' (it has {model.config._attn_implementation!r})")
@@ -515,7 +520,7 @@ def run_here(a, prompts, shard=(0, 1), log=print) -> list[dict]:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa",
                                                  local_files_only=True).to(device)
     drafter_dtype = dtype if a.drafter_dtype == "auto" else getattr(torch, a.drafter_dtype)
-    drafters = [load_drafter(Path(d).expanduser(), device=device, dtype=drafter_dtype).eval() for d in a.drafter]
+    drafters = [load_export(Path(d).expanduser(), device=device, dtype=drafter_dtype).eval() for d in a.drafter]
     log(f"target {target.name} | {len(prompts)} prompts | {device} {str(dtype).replace('torch.', '')} | drafter "
         f"{str(drafter_dtype).replace('torch.', '')}")
     for path, d in zip(a.drafter, drafters):
@@ -598,6 +603,9 @@ def check_args(a) -> list[str]:
                         f"model.safetensors), e.g. runs/NAME/checkpoints/step_NNNNNN/drafter")
             continue
         c = json.loads((path / "config.json").read_text())
+        if a.tree_budget and export_arch(path) != "dflash":
+            errs.append(f"--tree-budget {a.tree_budget} with --drafter {path}: DDTree expands each slot's unary top-k, "
+                        f"and a DFlash2 drafter proposes by its selector's walk; drop --tree-budget for it")
         mask_id = (c.get("dflash_config") or {}).get("mask_token_id")
         if not isinstance(mask_id, int) or not 0 <= mask_id < target.vocab_size:
             errs.append(f"--drafter {path}: its mask_token_id {mask_id} is not a row of the target's embedding "

@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM
 import eval_dflash
 from data.loader import Data, DataError, Schedule, read_stats
 from model import fp8
+from model import drafters
 from model.drafter import Drafter, DrafterConfig
-from model.export import export_drafter
 from trainer import checkpoint as ckpt
 from trainer import settings
 from trainer.drafter_step import StepConfig, StepSums, autocast_for, drafter_step, optimizer_step
@@ -55,6 +55,12 @@ BLOCK_SIZE = 16             # [>= 2] B, tokens per block: the anchor + B-1 draft
 MASK_TOKEN_ID = -1          # [>= -1] -1 = first unused id past the tokenizer (or an unused special token)
 SLIDING_WINDOW_LAYERS = 0   # [>= 0] last S drafter layers use sliding-window attention (causal inside the block)
 SLIDING_WINDOW = 0          # [>= 0] their window in tokens; 0 = the target's config value
+DRAFTER_ARCH = "dflash"     # dflash | dflash2 (block-local dynamic convolutions + a candidate selector, model/dflash2.py)
+CONV_KERNEL_SIZE = 2        # [>= 1] dflash2: taps of each block-local convolution (<= BLOCK_SIZE)
+CONV_GROUP_SIZE = 16        # [>= 1] dflash2: channels sharing one dynamic coefficient (divides the hidden size)
+SELECTOR_RANK = 256         # [>= 1] dflash2: rank of the selector's bilinear predecessor x hidden x candidate term
+SELECTOR_TOP_K = 16         # [>= 1] dflash2: unary candidates per slot the selector rescores (<= vocab size)
+SELECTOR_ALPHA = 1.0        # [>= 0] dflash2: weight of the selector CE beside the block CE (speculators' 1.0)
 
 # --- objective ------------------------------------------------------------------------------------------------------
 MAX_ANCHORS = 2048          # [>= 1] blocks per micro-batch (anchors sampled without replacement, fresh every step);
@@ -410,7 +416,9 @@ def save_checkpoint(run):
         return
     g = run.g_at(run.step)
     # every EVAL_EVERY-th checkpoint is evaluated before it is written, so its export's model card carries its tau
-    ev = evaluate(run, run.drafter if not sharded else ckpt.whole_drafter(run.dcfg, full, d.device)) \
+    whole = (lambda: ckpt.whole_drafter(run.dcfg, full, d.device, drafters.ARCHS[DRAFTER_ARCH].drafter)) if sharded \
+        else (lambda: run.drafter)
+    ev = evaluate(run, whole()) \
         if EVAL_EVERY and (run.saves + 1) % EVAL_EVERY == 0 else None
     # the card's data hash is stats.json's, which a user can compare (Data.content_hash is the loader's own)
     card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, evaluation=ev,
@@ -421,7 +429,7 @@ def save_checkpoint(run):
     t = time.time()
     try:
         path = ckpt.save(run.ck_root, run.step, state, meta,
-                         lambda p: export_drafter(run.drafter, p, state=full, **card), KEEP_LAST, write_shards=shards)
+                         lambda p: drafters.export(run.drafter, p, state=full, **card), KEEP_LAST, write_shards=shards)
     except ckpt.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     log(f"saved {path} ({time.time() - t:.1f}s)")

@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from model.drafter import DrafterCache
+from model.drafter import Drafter, DrafterCache
 
 TREE_TOP_K = 8         # DDTree: candidate tokens per slot, i.e. children per tree node
 
@@ -113,14 +113,26 @@ class DrafterProposer:
     def commit(self, features, positions):
         self.cache.append(features.to(self.dtype), positions)
 
-    def propose(self, tokens, start, block_size):
-        """tokens: prompt + committed so far, tokens[-1] at position `start` -> logits [B-1, V] for slots 1..B-1."""
+    def hidden(self, tokens, start, block_size):
+        """tokens: prompt + committed so far, tokens[-1] at position `start` -> the drafter's output [B, H]."""
         assert len(self.cache) == start, f"drafter context holds {len(self.cache)} positions, block starts at {start}"
         dev = self.cache.positions.device
         ids = torch.tensor([tokens[-1]] + [self.mask_id] * (block_size - 1), device=dev)
-        h = self.drafter.step(self.cache, self.embed(ids).to(self.dtype),
-                              torch.arange(start, start + block_size, device=dev))            # [B, H]
-        return self.lm_head(h[1:].to(self.lm_head.weight.dtype))                              # [B-1, V]
+        return self.drafter.step(self.cache, self.embed(ids).to(self.dtype),
+                                 torch.arange(start, start + block_size, device=dev))            # [B, H]
+
+    def propose(self, tokens, start, block_size):
+        """-> the unary logits [B-1, V] of slots 1..B-1 (DDTree's input; a DFlash drafter's argmax is its draft)."""
+        return self.lm_head(self.hidden(tokens, start, block_size)[1:].to(self.lm_head.weight.dtype))   # [B-1, V]
+
+    def draft(self, tokens, start, block_size):
+        """-> the draft tokens [B-1] of slots 1..B-1 by the drafter's own rule (Drafter.propose: the argmax of
+        propose's logits for DFlash, the selector's walk from the anchor for DFlash2)."""
+        if type(self.drafter).draft_tokens is Drafter.draft_tokens:
+            return self.propose(tokens, start, block_size).argmax(-1)
+        h = self.hidden(tokens, start, block_size)
+        anchor = torch.tensor([tokens[-1]], device=h.device)
+        return self.drafter.draft_tokens(h[None, 1:], self.lm_head, anchor)[0]
 
 
 @torch.no_grad()
@@ -140,6 +152,13 @@ def drafts_at_every_anchor(proposer, feats, ids, prompt_len, block_size, top_k=0
     attn = d.attn_spec(anchors, zeros[: len(anchors)], zeros)
     h = d(feats.to(proposer.dtype), torch.arange(L, device=dev), proposer.embed(block.flatten()).to(proposer.dtype),
           (anchors[:, None] + k[None, :]).flatten(), attn)                                # [N*B, H]
+    if type(d).draft_tokens is not Drafter.draft_tokens:   # the drafter's own rule (DFlash2: the selector's walk)
+        assert not top_k, "DDTree expands the unary top-k of each slot: a DFlash2 drafter proposes by its walk"
+        h = h.view(len(anchors), B, -1)[:, 1:]                                            # [N, B-1, H]
+        step = max(1, rows_per_chunk // max(1, B - 1))
+        return torch.cat([d.draft_tokens(h[s:s + step], proposer.lm_head, ids[anchors[s:s + step]])
+                          for s in range(0, len(anchors), step)]) if len(anchors) else \
+            torch.empty(len(anchors), B - 1, dtype=torch.long, device=dev)
     h = h.view(len(anchors), B, -1)[:, 1:].flatten(0, 1).to(proposer.lm_head.weight.dtype)   # [N*(B-1), H]
     drafts, top_lp, top_id = [], [], []
     for s in range(0, h.shape[0], rows_per_chunk):
@@ -183,10 +202,10 @@ def draft_streak(drafts, ids, prompt_len) -> float:
 # ---------------------------------------------------------------------------
 # Verification: a block (chain) or a DDTree
 
-def verify_block(model, cache, root, draft_logits, start, layer_ids):
-    """-> (accepted path incl. the root [a+1] tokens, bonus token, features of the path [a+1, K*H])."""
-    dev = draft_logits.device
-    draft = draft_logits.argmax(-1)                                               # [B-1]
+def verify_block(model, cache, root, draft, start, layer_ids):
+    """draft [B-1] token ids -> (accepted path incl. the root [a+1] tokens, bonus token, features of the path
+    [a+1, K*H])."""
+    dev = draft.device
     block = torch.cat([torch.tensor([root], device=dev), draft])                  # [B]
     logits, feats = target_forward(model, block, torch.arange(start, start + len(block), device=dev), cache,
                                    layer_ids)
@@ -260,12 +279,14 @@ def speculative_decode(model, prompt_ids, proposer, block_size, max_new_tokens, 
     proposer.reset(prompt_ids, feats)
     while len(new) < max_new_tokens and new[-1] not in eos:
         start = L + len(new) - 1                                   # position of the last committed token
-        draft_logits = proposer.propose(prompt_ids + new, start, block_size)                 # [B-1, V]
         if tree_budget:
+            draft_logits = proposer.propose(prompt_ids + new, start, block_size)             # [B-1, V]
             path, bonus, feats = verify_tree(model, cache, new[-1], draft_logits, start, proposer.layer_ids,
                                              tree_budget, tree_top_k)
         else:
-            path, bonus, feats = verify_block(model, cache, new[-1], draft_logits, start, proposer.layer_ids)
+            draft = proposer.draft(prompt_ids + new, start, block_size) if hasattr(proposer, "draft") else \
+                proposer.propose(prompt_ids + new, start, block_size).argmax(-1)             # [B-1]
+            path, bonus, feats = verify_block(model, cache, new[-1], draft, start, proposer.layer_ids)
         committed = path[1:] + [bonus]
         cut = next((i + 1 for i, t in enumerate(committed) if t in eos), len(committed))
         committed = committed[: min(cut, max_new_tokens - len(new))]

@@ -37,32 +37,26 @@ logits are recomputed from the K rows of the lm_head they need (_CandidateLogits
 The selector CE's gradient reaches the backbone through the candidates' unary logits and hidden_projection(h), as in
 speculators' training.
 
-What the integration phase must touch (nothing here is wired into the trainer yet):
-- train_dflash.py build/restore: DRAFTER_ARCH=dflash|dflash2 picks Drafter or DFlash2Drafter (DFlash2Config.
-  from_drafter); a DFlash checkpoint warm-starts a DFlash2 run through warm_start (new params at init); the meta-device
-  build + load_state_dict(assign=True) must materialise the new params (reset_dflash2) when the state lacks them;
-  resume of a DFlash2 checkpoint is strict as today.
-- settings.py: DRAFTER_ARCH; CONV_KERNEL_SIZE (1..B), CONV_GROUP_SIZE (divides H), SELECTOR_RANK (>= 1),
-  SELECTOR_TOP_K (1..V), SELECTOR_ALPHA (>= 0, 1.0 in speculators); snapshot them into logs and checkpoints.
-- step.py: dflash2_loss.dflash2_loss instead of objective.block_loss (its loss_sum already holds block + alpha x
-  selector, so the division by the global sum of w is unchanged); the drafter forward is unchanged.
-- optim.py param_chunks (it asserts that it covers every parameter, so it refuses a DFlash2 drafter today): the
-  convs live in layers.{i} (covered by the layer chunks), the selector is a new chunk after the final norm (and
-  params_ready(L+2) before the loss reads it); weight decay: base_kernel and the codebooks
-  are probably best without decay (base_kernel is the identity it should stay near).
-- FSDP: shard units are the layers (DFlash2Layer now) plus the selector as its own unit (two [V, r] codebooks, the
-  largest new tensors: 2 x V x r, 78M params at V=152k, r=256); the selector is read after the last layer.
-- planner.py bytes: per layer + 2 x (2 x taps x H + 2 x taps x G x H) params; the selector 2 x V x r + r x H params
-  with their AdamW state; activations: per conv its [M, 2, taps, G] coefficients and one [M, H] tensor per side;
-  the selector loss [R, K, r] successor rows + [c, K, H] lm_head rows per chunk.
-- decode paths (eval_dflash.py walk/decode, model/fastdecode.py fast loop with CUDA graphs, DDTree): replace the
-  per-slot argmax by selector_walk over candidates(h[1:]); the walk has static shapes and no host sync (graph-safe);
-  DDTree can expand from selector_lattice (the [S, K, K] edge scores) instead of per-slot top-k; the drafter's step()
-  already applies the convs (a block is B contiguous rows; a partial last block is allowed).
-- export and loading: the trainer's export calls export.export_dflash2 for a DFlash2 drafter; eval_dflash.py loads
-  one with export.load_dflash2 (load_drafter refuses it); modeling_dflash.DFlash2DraftModel.spec_generate drafts with
-  the walk; model_card still titles it a DFlash drafter and gives DFlash's serving commands (SGLang's and vLLM's
-  DFlash2 flags are to be checked against their releases).
+Where the rest of the tree meets it (model/drafters.py's ARCHS row "dflash2", DRAFTER_ARCH=dflash2):
+- the trainer builds, restores and shards DFlash2Drafter (DFlash2Config.from_drafter with the CONV_* / SELECTOR_*
+  settings); INIT_FROM a DFlash export warm-starts it through warm_start (settings.load_init_from); a checkpoint
+  records DRAFTER_ARCH and a resume as another arch is refused; each checkpoint exports through export_dflash2.
+- the drafter step's loss is drafters.dflash2_train_loss: dflash2_loss (loss_sum = block + SELECTOR_ALPHA x
+  selector, so the division by the global sum of w is unchanged) and selector_metrics, taken before the backward
+  and logged beside acc and streak (sel_recall, sel_acc, sel_streak).
+- param_chunks: the layers' chunks hold the convolutions, the selector is one more chunk after the final norm
+  (params_ready waits for it before the loss). no_decay_params keeps the base kernels and the codebooks out of
+  WEIGHT_DECAY.
+- shard_units: the layers, then the selector as its own FSDP2 unit, not resharded after its forward (the metrics
+  read it between the loss and the backward). The loss calls the selector's forward, so FSDP2 gathers it.
+- memory_terms: the per-layer convolution params and activations, the selector params (with their gradients and
+  AdamW state through the planner's drafter_params), the selector loss's [R, K, r] and [c, K, H] temporaries.
+- decoding: draft_tokens is the selector walk; DrafterProposer.draft (the HF decode loop), drafts_at_every_anchor
+  (the walk and the teacher-forced streak) and the fast loop's DraftState (static shapes, no host sync: graph-safe)
+  call it; the fast loop's layers apply the convolutions. DDTree refuses a DFlash2 drafter (its expansion from
+  selector_lattice is not written). eval_dflash.py loads either export (drafters.load_export by `architectures`).
+- DRAFTER_FP8 converts the layers' attention and MLP projections only: the kernel projections and the selector's
+  hidden projection stay bf16.
 - attention: without `is_causal` in config.json, z-lab's reference (dflash/model.py at 10129599) and vLLM make
   sliding layers causal inside the block with the window, full layers bidirectional: as ours (DFLASH_SPEC.md), and
   export_dflash2 writes no `is_causal`. z-lab's published DFlash2 drafters say `is_causal: false` with every layer
@@ -73,9 +67,6 @@ What the integration phase must touch (nothing here is wired into the trainer ye
   `output_multiplier` then soft-caps them (`final_logit_softcapping`) before the selector; all absent (1, 1, none)
   for the Qwen3 drafters, and not implemented here (from_serving refuses a config that sets them): a target that
   needs them needs them in training too.
-- in-training eval metrics: dflash2_loss.selector_metrics (unary recall@K, teacher-forced selector accuracy, the
-  accepted length of the selector's own path from each anchor), all-reduced and logged beside block_metrics' acc and
-  streak.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -226,6 +217,10 @@ class CandidateSelector(nn.Module):
         nn.init.zeros_(self.successor_codebook)
         nn.init.normal_(self.hidden_projection.weight, std=0.02)
 
+    def forward(self, hidden, prev, cand):
+        """transition() as the module's forward: FSDP2 all-gathers the selector (its own unit) around it."""
+        return self.transition(hidden, prev, cand)
+
     def transition(self, hidden, prev, cand):
         """hidden [..., H], prev [...] predecessor ids, cand [..., K] candidate ids -> [..., K] fp32 bilinear scores."""
         ctx = self.predecessor_codebook[prev].float() * self.hidden_projection(hidden).float()    # [..., r]
@@ -237,6 +232,7 @@ class DFlash2Drafter(Drafter):
     carry the convolutions); the selector is applied by the caller on the output (selector_walk, dflash2_loss)."""
 
     layer_class = DFlash2Layer
+    arch = "dflash2"
 
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
@@ -251,6 +247,37 @@ class DFlash2Drafter(Drafter):
             layer.mlp_conv.reset_parameters()
         self.candidate_selector.reset_parameters()
 
+    def param_chunks(self) -> list[list[nn.Parameter]]:
+        """Drafter's chunks (the convolutions live in the layers) plus the selector, read after the final norm."""
+        return [*super().param_chunks(), list(self.candidate_selector.parameters())]
+
+    def shard_units(self) -> list[nn.Module]:
+        """The layers, then the selector as its own FSDP2 unit (two [V, r] codebooks: the largest new tensors)."""
+        return [*super().shard_units(), self.candidate_selector]
+
+    def no_decay_params(self) -> list[nn.Parameter]:
+        """The base kernels (the identity they should stay near, not zero) and the codebooks (embedding-like tables
+        whose rows most steps do not read) keep out of weight decay."""
+        sel = self.candidate_selector
+        return [p for layer in self.layers for conv in (layer.attention_conv, layer.mlp_conv)
+                for p in (conv.base_kernel,)] + [sel.predecessor_codebook, sel.successor_codebook]
+
+    @staticmethod
+    def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
+        """Drafter.memory_terms: per layer two convolutions of 2 x taps x H (base) + 2 x taps x G x H (projection)
+        params; the selector 2 x V x r + r x H; per convolution its [M, 2, taps, G] coefficients and an [M, H] tensor
+        per side; the selector loss [R, K, r] successor rows and [R, r] twice in fp32, [ce_rows, K, H] lm_head rows."""
+        taps, r, K = knobs["CONV_KERNEL_SIZE"], knobs["SELECTOR_RANK"], knobs["SELECTOR_TOP_K"]
+        G = H // knobs["CONV_GROUP_SIZE"]
+        return {"params": L * 2 * (2 * taps * H + 2 * taps * G * H) + 2 * V * r + r * H,
+                "acts": L * 2 * (M * 2 * taps * G + 2 * M * H),
+                "loss_fp32": R * K * r + 2 * R * r + 4 * R * K, "loss_bf16": ce_rows * K * H}
+
+    def draft_tokens(self, hidden, lm_head, anchor_ids):
+        """The T=0 draft: the selector's walk from the verified anchors (hidden [n, S, H], anchor_ids [n] ->
+        tokens [n, S]); static shapes, no host sync."""
+        return selector_walk(self.candidate_selector, hidden, lm_head.weight, anchor_ids)
+
 
 def dflash2_keys(drafter: DFlash2Drafter) -> set[str]:
     """The state-dict keys a DFlash checkpoint does not have."""
@@ -258,16 +285,22 @@ def dflash2_keys(drafter: DFlash2Drafter) -> set[str]:
             or k.startswith("candidate_selector.")}
 
 
-def warm_start(drafter: DFlash2Drafter, dflash_state: dict) -> None:
+def warm_start(drafter: DFlash2Drafter, dflash_state: dict, assign: bool = False) -> None:
     """Load a DFlash drafter's state dict into a DFlash2 drafter: every backbone key must match (names and shapes),
     the DFlash2 parameters are reset to their init (identity convolutions, zero transition), so the warm-started
-    drafter drafts exactly what the DFlash one did."""
+    drafter drafts exactly what the DFlash one did. assign: a meta-device build takes the state's tensors
+    (load_state_dict(assign=True)) and its DFlash2 parameters are materialised on the state's device and dtype."""
     new = dflash2_keys(drafter)
     extra = sorted(k for k in dflash_state if k in new)
     assert not extra, f"the DFlash state already holds DFlash2 keys {extra[:4]}: load it with load_state_dict"
-    missing, unexpected = drafter.load_state_dict(dflash_state, strict=False)
+    missing, unexpected = drafter.load_state_dict(dflash_state, strict=False, assign=assign)
     assert not unexpected, f"keys the DFlash2 drafter does not have: {unexpected[:8]}"
     assert set(missing) == new, f"backbone keys missing from the DFlash state: {sorted(set(missing) - new)[:8]}"
+    if assign:
+        like = next(iter(dflash_state.values()))
+        for m in [c for layer in drafter.layers for c in (layer.attention_conv, layer.mlp_conv)] \
+                + [drafter.candidate_selector]:
+            m.to_empty(device=like.device).to(like.dtype)
     drafter.reset_dflash2()
 
 

@@ -68,7 +68,7 @@ def selector_loss(selector, hidden, lm_head_weight, labels, rows, w, top_ids, ch
     W = lm_head_weight.detach()
     if not torch.is_grad_enabled():
         h = h.detach()
-    scores = _CandidateLogits.apply(h, W, cand, chunk_size) + selector.transition(h, prev, cand)   # [R, K]
+    scores = _CandidateLogits.apply(h, W, cand, chunk_size) + selector(h, prev, cand)   # [R, K]
     ce = F.cross_entropy(scores, target, reduction="none")                                        # [R]
     correct = hit & (scores.argmax(1) == target)
     return SelectorParts(loss_sum=(ce * w.float()).sum(), ce=ce.detach(), correct=correct, hit=hit)

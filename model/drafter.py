@@ -302,6 +302,7 @@ class DecoderLayer(nn.Module):
 
 class Drafter(nn.Module):
     layer_class = DecoderLayer   # a subclass's own layers (model/dflash2.py), built once
+    arch = "dflash"              # its DRAFTER_ARCH (model/drafters.py)
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -327,6 +328,23 @@ class Drafter(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         """The modules DRAFTER_SHARDING=fsdp shards one by one, before the root (which keeps fc and the norms)."""
         return list(self.layers)
+
+    def draft_tokens(self, hidden, lm_head, anchor_ids):
+        """The T=0 draft of n blocks: hidden [n, S, H] at the drafted slots, lm_head the target's (nn.Linear),
+        anchor_ids [n] the verified anchors (unused here) -> tokens [n, S]: the argmax of each slot."""
+        return lm_head(hidden.to(lm_head.weight.dtype)).argmax(-1)
+
+    def no_decay_params(self) -> list[nn.Parameter]:
+        """Matrices WEIGHT_DECAY leaves alone (vectors never decay): none in DFlash."""
+        return []
+
+    @staticmethod
+    def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
+        """What this architecture adds to trainer/planner.py's DFlash terms, in elements (the planner applies the
+        dtypes): params (trainable: with their gradients and AdamW state), acts (saved forward activations, in the
+        activation dtype), loss_fp32 and loss_bf16 (the loss's extra temporaries). H hidden, V vocab, L layers,
+        M = N*B block rows, R supervised rows, ce_rows the CE chunk's rows, knobs the trainer's settings."""
+        return {"params": 0, "acts": 0, "loss_fp32": 0, "loss_bf16": 0}
 
     @staticmethod
     def _init_weights(m):

@@ -173,6 +173,13 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
                                       f"(decoder layer l = HF hidden_states[l + 1])"),
              ("mask token id", str(cfg.mask_token_id)),
              ("weights", f"model.safetensors, {_DTYPE_NAMES[dtype]}")]
+    dflash2 = isinstance(cfg, DFlash2Config)
+    if dflash2:
+        rows += [("architecture", "`DFlash2DraftModel` (config.json `architectures`)"),
+                 ("convolutions", f"{cfg.conv_kernel_size} taps, groups of {cfg.conv_group_size} channels, around "
+                                  f"the attention and the MLP of every layer, inside the block"),
+                 ("candidate selector", f"rescores the unary top-{cfg.selector_top_k} of every slot, rank "
+                                        f"{cfg.selector_rank}; the draft is its walk from the verified anchor")]
     if step is not None:
         rows.append(("training steps", str(step)))
     for k, v in (data or {}).items():
@@ -184,10 +191,14 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
     lines = []
     if name and HUB_ID.fullmatch(name):
         lines += ["---", f"base_model: {name}", "library_name: transformers",
-                  "tags:", "- dflash", "- speculative-decoding", "---", ""]
-    lines += [f"# DFlash drafter for {name or 'its target'}", "",
-              "A DFlash block-diffusion drafter for speculative decoding: from the target's hidden states it drafts "
-              f"{B - 1} tokens in one forward; the target verifies them, so the output is the target's own. It has no "
+                  "tags:", "- dflash"] + (["- dflash2"] if dflash2 else []) + ["- speculative-decoding", "---", ""]
+    kind = "DFlash2" if dflash2 else "DFlash"
+    lines += [f"# {kind} drafter for {name or 'its target'}", "",
+              f"A {kind} block-diffusion drafter for speculative decoding: from the target's hidden states it drafts "
+              f"{B - 1} tokens in one forward"
+              + (" (block-local dynamic convolutions in every layer; a candidate selector picks each slot's token "
+                 "given the one before)" if dflash2 else "")
+              + "; the target verifies them, so the output is the target's own. It has no "
               "embedding or lm_head: it uses the target's, and it serves only the target it was trained on.", "",
               "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
     lines += ["## Measured at export", ""]
@@ -214,7 +225,10 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
         lines += ["No evaluation ran for this export; measure tau with "
                   "`python eval_dflash.py --target TARGET --drafter THIS_FOLDER --prompts PROMPTS.jsonl`.", ""]
     lines += ["## Serve it", "",
-              "`DRAFTER` is this folder (or its Hub id once uploaded).", "",
+              "`DRAFTER` is this folder (or its Hub id once uploaded)."
+              + (" The engines load a DFlash2 drafter through the same DFLASH speculative flags, choosing the model "
+                 "by config.json's `architectures` (`DFlash2DraftModel`): use a release whose DFlash support "
+                 "includes DFlash2 (not checked here)." if dflash2 else ""), "",
               "SGLang (`--speculative-num-draft-tokens` is the block size):", "", "```bash",
               f"python -m sglang.launch_server --model-path {tgt} \\",
               "    --speculative-algorithm DFLASH --speculative-draft-model-path DRAFTER \\",

@@ -327,6 +327,8 @@ class DraftState:
         """token [1] at positions[0], positions [B] of the block -> draft ids [B-1] (argmax of slots 1..B-1),
         given the context rows before the block."""
         h = self.hidden(token, positions)                                                 # [B, H]
+        if type(self.drafter).draft_tokens is not drafter_lib.Drafter.draft_tokens:   # DFlash2: the walk (static)
+            return self.drafter.draft_tokens(h[None, 1:], self.lm_head, token)[0]
         return self.lm_head(h[1:].to(self.lm_head.weight.dtype)).argmax(-1)
 
     def hidden(self, token, positions):
@@ -350,7 +352,10 @@ class DraftState:
         """DecoderLayer.step of layer l against the cache: x [B, H] -> [B, H], q_norm and k_norm as one norm, q and
         k roped in one pass. mask: additive, [1, max_len + B] or [group*B, max_len + B] (a row per folded query)."""
         attn, M, D = layer.self_attn, x.shape[0], self.config.head_dim
+        convs = (layer.attention_conv, layer.mlp_conv) if hasattr(layer, "attention_conv") else None   # DFlash2
         h = layer.input_layernorm(x)
+        if convs:
+            h, coef = convs[0].prepare(h)
         qk = torch.cat([attn.q_proj(h).view(M, self.n_heads, D), attn.k_proj(h).view(M, self.n_kv, D)], dim=1)
         qk = rope(drafter_lib.rms_norm(qk, self.qk_norm_w[l], self.config.rms_norm_eps), cos, rot_sin)  # [B, nh+nkv, D]
         k = torch.cat([self.kv[:, l, 0], qk[:, self.n_heads:]]).transpose(0, 1)[None]   # [1, nkv, max_len + B, D]
@@ -360,5 +365,10 @@ class DraftState:
         # scores materialised: ~10 kernels)
         q = qk[:, :self.n_heads].transpose(0, 1).reshape(1, self.n_kv, self.group * M, D)
         o = attend(q, k, v, mask, None, self.attention)                                   # [1, nkv, group*B, D]
-        x = x + attn.o_proj(o.reshape(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        y = attn.o_proj(o.reshape(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D))
+        if not convs:
+            x = x + y
+            return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + convs[0].finish(y, coef)
+        u, coef = convs[1].prepare(layer.post_attention_layernorm(x))
+        return x + convs[1].finish(layer.mlp(u), coef)

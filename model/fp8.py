@@ -84,10 +84,12 @@ def quantize_target(target) -> int:
 
 
 def drafter_linears(drafter: nn.Module) -> list[str]:
-    """Names of the drafter's nn.Linear modules DRAFTER_FP8 converts: every decoder layer's projections, not fc.
-    float8 GEMMs need both dimensions in multiples of 16 (cuBLAS); any other layer stays bf16."""
+    """Names of the drafter's nn.Linear modules DRAFTER_FP8 converts: every decoder layer's attention and MLP
+    projections, not fc. DFlash2's small linears stay bf16: its convolutions' kernel projections (2 x taps x H/group
+    outputs, whose coefficients scale every channel of a group) and its selector's hidden projection (outside the
+    layers). float8 GEMMs need both dimensions in multiples of 16 (cuBLAS); any other layer stays bf16."""
     return [n for n, m in drafter.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")
-            and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+            and "_conv." not in n and m.in_features % 16 == 0 and m.out_features % 16 == 0]
 
 
 RECIPES = ("rowwise_with_gw_hp", "rowwise", "tensorwise")   # torchao's float8 training recipes (DRAFTER_FP8_RECIPE)

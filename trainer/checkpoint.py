@@ -380,7 +380,9 @@ def target_fingerprint(path) -> dict:
 # drafter config field -> the setting that decides it (fields not listed come from the target's config)
 SHAPED_BY = {"num_hidden_layers": "NUM_DRAFT_LAYERS", "block_size": "BLOCK_SIZE",
              "target_layer_ids": "TARGET_LAYER_IDS", "mask_token_id": "MASK_TOKEN_ID",
-             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW"}
+             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW",
+             "conv_kernel_size": "CONV_KERNEL_SIZE", "conv_group_size": "CONV_GROUP_SIZE",
+             "selector_rank": "SELECTOR_RANK", "selector_top_k": "SELECTOR_TOP_K"}
 
 
 def resume_mismatches(meta: dict, dcfg, fingerprint: dict) -> list[str]:
@@ -465,10 +467,10 @@ def write_run_info(out_dir, config, world, split, data, dcfg, fingerprint, resum
     (out_dir / "run.json").write_text(json.dumps(run_info, indent=1, default=str))
 
 
-def whole_drafter(dcfg, state, device) -> Drafter:
-    """A sharded drafter's gathered state as one plain Drafter on `device`, for the master's evaluation (the FSDP2
-    module's forward is a collective of every drafter rank)."""
+def whole_drafter(dcfg, state, device, cls=Drafter) -> Drafter:
+    """A sharded drafter's gathered state as one plain drafter of class cls (model/drafters.py ARCHS) on `device`,
+    for the master's evaluation (the FSDP2 module's forward is a collective of every drafter rank)."""
     with torch.device("meta"):
-        drafter = Drafter(dcfg)
+        drafter = cls(dcfg)
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device)

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from model.attention import static_lengths
-from model.objective import block_loss, block_metrics, decay_weighted, micro_seed, prepare
+from model.drafters import SELECTOR_METRICS, arch_of, unwrap
+from model.objective import block_metrics, decay_weighted, micro_seed, prepare
 from trainer.optim import scale_clip_
 
 
@@ -28,6 +29,7 @@ class StepConfig:
     noise: float
     ce_chunk: int
     grad_clip: float
+    selector_alpha: float = 1.0   # DRAFTER_ARCH=dflash2: the selector CE's weight beside the block CE
 
     @classmethod
     def of(cls, settings: dict) -> "StepConfig":
@@ -46,6 +48,12 @@ class StepSums(NamedTuple):
     streak_den: torch.Tensor    # blocks
     objective: torch.Tensor     # sum w * CE under LOSS_WEIGHTING: what the gradients hold
     objective_w: torch.Tensor   # sum of those w: the step's normaliser
+    # a drafter with a candidate selector (DFlash2, model/drafters.py SELECTOR_METRICS); 0 for DFlash
+    sel_recall_num: torch.Tensor    # supervised slots whose gold is in the unary top-K
+    sel_tf_acc_num: torch.Tensor    # ... that the teacher-forced selector picks
+    sel_den: torch.Tensor           # supervised slots
+    path_streak_num: torch.Tensor   # accepted prefix of the selector's own walk, summed over blocks
+    path_streak_den: torch.Tensor   # blocks
 
     @classmethod
     def zeros(cls, device) -> torch.Tensor:
@@ -86,13 +94,16 @@ def drafter_step(model, embed, head_w, item, block_size, autocast, s: StepConfig
         with saved_hooks or contextlib.nullcontext():
             hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
             probe("forward")
-            parts = block_loss(hidden, head_w, item, block_size, s.loss_weighting, s.dpace_alpha, s.ce_chunk)
+            parts, extra = arch_of(model).loss(unwrap(model), hidden, head_w, item, s.loss_weighting, s.dpace_alpha,
+                                               s.ce_chunk, s.selector_alpha)
             probe("CE")
         parts.loss_sum.backward()
     probe("backward")
+    zero = parts.weight_sum.new_zeros(())
     bm = block_metrics(parts.correct.view(-1, block_size), item.weights.view(-1, block_size))
     sums = torch.stack([*decay_weighted(parts, item, s.loss_weighting), bm["acc_num"], bm["acc_den"],
-                        bm["streak_num"], bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum]).double()
+                        bm["streak_num"], bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum,
+                        *[extra.get(k, zero) for k in SELECTOR_METRICS]]).double()
     return StepSums(*sums.unbind())
 
 

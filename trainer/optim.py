@@ -43,13 +43,16 @@ class ChunkedAdamW(torch.optim.AdamW):
     so checkpoints do not depend on `overlap`). overlap: run step() on a side stream (CUDA only) and let the
     next forward wait per chunk through wait(i)."""
 
-    def __init__(self, chunks, lr, weight_decay, overlap=False, module_order=None, **kw):
+    def __init__(self, chunks, lr, weight_decay, overlap=False, module_order=None, no_decay=(), **kw):
         """module_order: the model's parameters in module order (drafter.parameters()), to read checkpoints of the
-        former two-group optimizer (load_state_dict)."""
+        former two-group optimizer (load_state_dict). no_decay: matrices kept out of weight decay, with the vectors
+        (the drafter's no_decay_params)."""
         self.module_order = list(module_order) if module_order is not None else None
+        skip = {id(p) for p in no_decay}
         groups = []
         for i, chunk in enumerate(chunks):
-            decay, flat = [p for p in chunk if p.dim() >= 2], [p for p in chunk if p.dim() < 2]
+            decay = [p for p in chunk if p.dim() >= 2 and id(p) not in skip]
+            flat = [p for p in chunk if p.dim() < 2 or id(p) in skip]
             groups += [{"params": ps, "weight_decay": wd, "chunk": i}
                        for ps, wd in ((decay, weight_decay), (flat, 0.0)) if ps]
         super().__init__(groups, lr=lr, weight_decay=weight_decay, **kw)
@@ -136,7 +139,8 @@ def make_optimizer(drafter, lr, weight_decay, overlap=False) -> ChunkedAdamW:
     forward waits per chunk (drafter.params_ready)."""
     dev = next(drafter.parameters()).device
     opt = ChunkedAdamW(param_chunks(drafter), lr=lr, weight_decay=weight_decay, overlap=overlap,
-                       module_order=drafter.parameters(), betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+                       module_order=drafter.parameters(), no_decay=drafter.no_decay_params(), betas=(0.9, 0.95),
+                       eps=1e-8, fused=dev.type == "cuda")
     drafter.params_ready = opt.wait if opt.overlap else None
     return opt
 

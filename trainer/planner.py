@@ -15,6 +15,7 @@ prints next to them: calibration is a one-line edit here.
 from dataclasses import dataclass
 
 from model.drafter import default_layer_ids
+from model.drafters import ARCHS
 
 GiB = 2 ** 30
 FP8, BF16, FP32 = 1, 2, 4
@@ -234,6 +235,12 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
               * d["ce_rows"] * s.V, fwd, "CE_CHUNK"),
         _term(f"gradients fp32{of_n}", "grads", P * FP32 * share, bwd),
     ]
+    extra = d["arch_extra"]
+    if extra["acts"] or extra["loss_fp32"] or extra["loss_bf16"]:   # the arch's own (model/drafters.py ARCHS)
+        terms += [_term(f"{cfg['DRAFTER_ARCH']}: its layers' extra activations (block-local convolutions)",
+                        "arch acts", act * extra["acts"] * BF16, fwd, "MAX_ANCHORS"),
+                  _term(f"{cfg['DRAFTER_ARCH']}: its loss's extra temporaries (selector candidates)", "arch loss",
+                        extra["loss_fp32"] * FP32 + extra["loss_bf16"] * BF16, fwd, "MAX_ANCHORS")]
     if cfg.get("HEAD_FP8"):   # model.fp8.HeadFP8: W twice in e4m3, and each chunk's dL/dlogits quantised once more
         terms += [_term(f"HEAD_FP8: the lm_head [{s.V}, {s.H}] twice in e4m3", "head fp8", 2 * s.V * s.H, "static"),
                   _term(f"HEAD_FP8: a chunk's dL/dlogits [{d['ce_rows']}, {s.V}] in e4m3", "CE chunk fp8",
@@ -295,9 +302,11 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
     n_dft = 1 if colocated else world_gpus - n_tgt
     dtype = str(cfg.get("DTYPE", "auto"))
     R = N * (B - 1)
+    ce_rows = min(cfg["CE_CHUNK"] or R, R)
+    arch_extra = ARCHS[cfg.get("DRAFTER_ARCH", "dflash")].drafter.memory_terms(s.H, s.V, L, N * B, R, ce_rows, cfg)
     d = dict(L=L, K=K, B=B, N=N, M=N * B, R=R, tokens=T, layer_ids=ids, last_layer=max(ids),
-             max_len=min(T, cfg.get("MAX_LEN") or T), ce_rows=min(cfg["CE_CHUNK"] or R, R),
-             feature_bytes=T * K * s.H * BF16, drafter_params=drafter_params(s, L, K),
+             max_len=min(T, cfg.get("MAX_LEN") or T), ce_rows=ce_rows, arch_extra=arch_extra,
+             feature_bytes=T * K * s.H * BF16, drafter_params=drafter_params(s, L, K) + arch_extra["params"],
              target_params=s.V * s.H * (1 if s.tied else 2) + s.n_layers * target_layer_params(s) + s.H,
              fp32=dtype == "float32", act_scale=FP32_ACT_SCALE if dtype == "float32" else 1.0,
              layer_act_scale=DFT_COMPILED_LAYER_SCALE if cfg.get("COMPILE_DRAFTER") == "layers" else 1.0,

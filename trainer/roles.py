@@ -21,7 +21,9 @@ from data.loader import Data, DataError, read_stats, tokenizer_mismatches
 from data.prompts import load_prompts, prompt_messages, refused_by_template, spread, template_refusal_message
 from model import fp8
 from model.attention import set_flex_kernel_options, warmup_flex_attention
-from model.drafter import Drafter, DrafterConfig, compile_drafter
+from model import drafters
+from model.drafter import DrafterConfig, compile_drafter
+from model.drafters import ARCHS
 from model.target import Target, load_frozen_io
 from trainer import checkpoint as ckpt
 from trainer import planner
@@ -174,6 +176,9 @@ def drafter_config(c, d, config):
         dcfg = DrafterConfig.from_target(hf_cfg, c.NUM_DRAFT_LAYERS, c.BLOCK_SIZE, mask_id, target_layer_ids=layer_ids,
                                          num_taps=c.NUM_TAPS or None, sliding_window_layers=c.SLIDING_WINDOW_LAYERS,
                                          sliding_window=c.SLIDING_WINDOW or None)
+        dcfg = drafters.make_config(c.DRAFTER_ARCH, dcfg, conv_kernel_size=c.CONV_KERNEL_SIZE,
+                                    conv_group_size=c.CONV_GROUP_SIZE, selector_rank=c.SELECTOR_RANK,
+                                    selector_top_k=c.SELECTOR_TOP_K)
     except AssertionError as e:
         sys.exit(f"error: drafter config: {e}")
     config.update(MASK_TOKEN_ID=mask_id, TARGET_LAYER_IDS=",".join(map(str, dcfg.target_layer_ids)))
@@ -235,6 +240,11 @@ def resume(d, watchdog, resume_path, config, data, dcfg, fingerprint) -> ckpt.Re
     meta = ckpt.read_meta(resume_path) if resume_path else None
     if meta:
         errs = ckpt.resume_mismatches(meta, dcfg, fingerprint)
+        was = meta["config"].get("DRAFTER_ARCH", "dflash")   # checkpoints before DFlash2 were all DFlash
+        if was != config["DRAFTER_ARCH"]:
+            errs.insert(0, f"DRAFTER_ARCH: the checkpoint trained a {was} drafter, this run {config['DRAFTER_ARCH']} "
+                           f"(to turn a DFlash drafter into a DFlash2 one, pass its export as INIT_FROM in a new "
+                           f"OUT_DIR)")
         if errs:
             fail(watchdog, f"cannot resume {resume_path}: this run differs in what the checkpoint was trained for:\n"
                            f"  - " + "\n  - ".join(errs) + "\nResume with the checkpoint's settings and TARGET, or "
@@ -308,7 +318,7 @@ def build_drafter(c, d, dcfg, target, resume_path, watchdog, step_cfg):
     sharded = c.DRAFTER_SHARDING == "fsdp"
     with Phase(d, "build drafter", watchdog):
         torch.manual_seed(c.SEED)
-        drafter = Drafter(dcfg).to(d.device)                      # fp32 master weights
+        drafter = ARCHS[c.DRAFTER_ARCH].drafter(dcfg).to(d.device)   # fp32 master weights
         if c.DRAFTER_FP8:   # the same parameters in other modules: before the optimizer and the compile
             n = fp8.convert_drafter(drafter, recipe=c.DRAFTER_FP8_RECIPE)
             log(f"[rank {d.rank} {d.role}] DRAFTER_FP8: {n} Linear layers train in FP8 ({c.DRAFTER_FP8_RECIPE}); fc "
@@ -352,8 +362,8 @@ def build_drafter(c, d, dcfg, target, resume_path, watchdog, step_cfg):
 
 
 def shard_drafter(d, drafter) -> None:
-    """DRAFTER_SHARDING=fsdp: FSDP2 over the drafter ranks, one unit per drafter.shard_units() (its decoder layers)
-    and the root (fc, hidden_norm, norm), so each rank keeps 1/D of the fp32 weights, gradients and AdamW state. On
+    """DRAFTER_SHARDING=fsdp: FSDP2 over the drafter ranks, one unit per drafter.shard_units() (its decoder layers,
+    DFlash2's selector) and the root (fc, hidden_norm, norm), so each rank keeps 1/D of the fp32 weights, gradients and AdamW state. On
     a GPU the forward runs on bf16 all-gathered weights (DTYPE); gradients are reduce-scattered in fp32.
     cast_forward_inputs off: the activations keep the dtypes the drafter's code gives them (fp32 RoPE tables, norms),
     as under DDP and autocast."""
@@ -361,7 +371,9 @@ def shard_drafter(d, drafter) -> None:
     mp = MixedPrecisionPolicy(param_dtype=d.dtype if d.device.type == "cuda" else None, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     for unit in drafter.shard_units():
-        fully_shard(unit, mesh=mesh, mp_policy=mp)
+        # a unit past the layers (DFlash2's selector) stays gathered from its forward in the loss to its backward:
+        # the loss's metrics read it in between
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=any(unit is layer for layer in drafter.layers))
     fully_shard(drafter, mesh=mesh, mp_policy=mp)
 
 
@@ -378,7 +390,7 @@ def restore_drafter(c, d, dcfg, resume_path, drafter, opt) -> None:
                 drafter.load_state_dict(state["drafter"])
                 opt.load_state_dict(state["optimizer"])
             else:
-                plain = Drafter(dcfg)
+                plain = ARCHS[c.DRAFTER_ARCH].drafter(dcfg)
                 plain_opt = make_optimizer(plain, c.LR, c.WEIGHT_DECAY)
                 plain.load_state_dict(state["drafter"])
                 plain_opt.load_state_dict(state["optimizer"])

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from trainer import checkpoint as ckpt
 from model import fp8
 from model.drafter import COMPILE_MODES, DrafterConfig
+from model.dflash2 import DFlash2Drafter, dflash2_keys, warm_start
+from model.drafters import ARCHS
 from model.objective import WEIGHTINGS
 from model.hub import HUB_ID, resolve_model_path
 from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id
@@ -199,9 +201,15 @@ def check_config(c, world: int) -> None:
         elif not any(next(tgt.glob(pat), None) for pat in ckpt.WEIGHT_FILES):
             errs.append(f"TARGET={c.TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
                         f"download the model's weight files into it")
+        tc = tcfg.get("text_config", tcfg)
+        V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
+        if c.DRAFTER_ARCH == "dflash2" and H % c.CONV_GROUP_SIZE:
+            errs.append(f"CONV_GROUP_SIZE={c.CONV_GROUP_SIZE} does not divide the drafter's hidden size {H} (the "
+                        f"target's): pick a divisor of {H}, e.g. --CONV_GROUP_SIZE={math.gcd(H, 16)}")
+        if c.DRAFTER_ARCH == "dflash2" and c.SELECTOR_TOP_K > V:
+            errs.append(f"SELECTOR_TOP_K={c.SELECTOR_TOP_K} exceeds the vocabulary ({V} tokens): set "
+                        f"--SELECTOR_TOP_K={min(16, V)}")
         if c.HEAD_FP8:
-            tc = tcfg.get("text_config", tcfg)
-            V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
             if V % 16 or H % 16:
                 errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
                             f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
@@ -215,6 +223,11 @@ def check_config(c, world: int) -> None:
         except ValueError:
             errs.append(f"FLEX_OPTIONS={c.FLEX_OPTIONS!r} is not a JSON object of flex_attention kernel_options "
                         f"(e.g. '{{\"USE_TMA\": true}}'; \"\" for torch's defaults)")
+    if c.DRAFTER_ARCH not in ARCHS:
+        errs.append(f"DRAFTER_ARCH={c.DRAFTER_ARCH!r}: allowed are {', '.join(ARCHS)}")
+    elif c.DRAFTER_ARCH == "dflash2" and c.CONV_KERNEL_SIZE > c.BLOCK_SIZE:
+        errs.append(f"CONV_KERNEL_SIZE={c.CONV_KERNEL_SIZE} exceeds BLOCK_SIZE={c.BLOCK_SIZE} (a tap never crosses "
+                    f"a block): set --CONV_KERNEL_SIZE to at most {c.BLOCK_SIZE}")
     if c.DRAFTER_SHARDING not in ("ddp", "fsdp"):
         errs.append(f"DRAFTER_SHARDING={c.DRAFTER_SHARDING!r}: allowed are ddp, fsdp")
     elif c.DRAFTER_SHARDING == "fsdp" and world == 1:
@@ -251,6 +264,10 @@ INIT_FROM_FIELDS = [
 ]
 
 
+DFLASH2_KNOBS = ("CONV_KERNEL_SIZE", "CONV_GROUP_SIZE", "SELECTOR_RANK", "SELECTOR_TOP_K")   # = DFlash2Config's
+#                                                                                            fields, lower-cased
+
+
 def check_init_from(c, dcfg) -> list[str]:
     """INIT_FROM's config.json against the drafter this run builds (dcfg), before any model loads. Exits naming
     every setting that differs, both values and the flag that fits the export; returns notes on fields that are
@@ -277,6 +294,11 @@ def check_init_from(c, dcfg) -> list[str]:
         else:
             errs.append(f"{setting}: this run has {ours} ({key}), the drafter in INIT_FROM {theirs}: pass "
                         f"--{setting}={theirs}")
+    knobs = cfg["dflash_config"]
+    if cfg.get("architectures") == ["DFlash2DraftModel"] and c.DRAFTER_ARCH == "dflash2":
+        errs += [f"{name}: this run has {getattr(c, name)}, the drafter in INIT_FROM {knobs[name.lower()]}: pass "
+                 f"--{name}={knobs[name.lower()]}" for name in DFLASH2_KNOBS
+                 if knobs.get(name.lower()) is not None and knobs[name.lower()] != getattr(c, name)]
     if of_target:
         errs.append(f"the target (TARGET={c.TARGET}) has " + ", ".join(f"{f}={o}" for f, o, _ in of_target)
                     + "; the drafter in INIT_FROM was made for " + ", ".join(f"{f}={t}" for f, _, t in of_target)
@@ -294,6 +316,13 @@ def load_init_from(path, drafter) -> str:
     state = load_file(str(Path(path) / "model.safetensors"), device=str(next(drafter.parameters()).device))
     missing = drafter.state_dict().keys() - state.keys()
     extra = state.keys() - drafter.state_dict().keys()
+    if isinstance(drafter, DFlash2Drafter) and missing == dflash2_keys(drafter) and not extra:
+        # a DFlash export into a DFlash2 run: its backbone, the DFlash2 parameters at init (drafts as it did)
+        warm_start(drafter, {k: v.float() for k, v in state.items()})
+        return "/".join(sorted({str(v.dtype).replace("torch.", "") for v in state.values()})) + " DFlash"
+    if extra and any(k.startswith("candidate_selector.") for k in extra) and not isinstance(drafter, DFlash2Drafter):
+        sys.exit(f"error: INIT_FROM={path} is a DFlash2 drafter and this run trains a DFlash one: set "
+                 f"--DRAFTER_ARCH=dflash2 (its knobs as in its config.json's dflash_config)")
     if missing or extra:
         sys.exit(f"error: INIT_FROM={path}: model.safetensors does not hold this drafter's parameters (missing "
                  f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}); export it with model.export.export_drafter")

@@ -203,9 +203,11 @@ SMOL = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) /
 
 @pytest.mark.job
 @pytest.mark.skipif(not (SMOL / "tokenizer.json").exists(), reason="needs the SmolLM2 folder (python -m tools.smollm2)")
-def test_eval_during_training_logs_tau(tmp_path):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_eval_during_training_logs_tau(tmp_path, arch):
     """EVAL_EVERY: tau of the checkpointed drafter, measured on the master, in the status line and metrics.jsonl.
-    A tiny random target with SmolLM2's tokenizer keeps it fast; the shipped dataset fits its vocabulary."""
+    A tiny random target with SmolLM2's tokenizer keeps it fast; the shipped dataset fits its vocabulary. A DFlash2
+    drafter proposes with its selector's walk there, losslessly, and its export's card says DFlash2."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     tgt = tmp_path / "target"
@@ -215,7 +217,7 @@ def test_eval_during_training_logs_tau(tmp_path):
     AutoTokenizer.from_pretrained(SMOL).save_pretrained(tgt)
     r = ok(run(1, base_args(tgt, REPO / "data" / "default" / "smollm2", tmp_path / "out", MASK_TOKEN_ID=-1,
                             TOKEN_BUDGET=1024, MAX_STEPS=4, SAVE_EVERY=2, EVAL_EVERY=1, EVAL_LIMIT=2,
-                            EVAL_MAX_NEW_TOKENS=6)))
+                            EVAL_MAX_NEW_TOKENS=6, DRAFTER_ARCH=arch, SELECTOR_RANK=8, CONV_GROUP_SIZE=8)))
     evals = [m for m in metrics(tmp_path / "out") if "tau" in m]
     assert [m["step"] for m in evals] == [2, 4]
     assert all(m["lossless"] and 1.0 <= m["tau"] <= 4 for m in evals), evals
@@ -226,6 +228,7 @@ def test_eval_during_training_logs_tau(tmp_path):
     for m in evals:
         export = tmp_path / "out" / "checkpoints" / f"step_{m['step']:06d}" / "drafter"
         card = (export / "README.md").read_text()
+        assert f"# {'DFlash2' if arch == 'dflash2' else 'DFlash'} drafter for" in card, card
         assert "on 2 prompts of `eval_broad.jsonl`" in card and "| **macro**" in card, card
         # its hashes are what a user can compare: data.prepare's stats.json, sha256sum of the export's config.json
         stats = json.loads((REPO / "data" / "default" / "smollm2" / "stats.json").read_text())

@@ -418,3 +418,24 @@ def test_the_evaluation_target_is_planned():
     assert planner.check_fits(planner.estimate(bench_cfg(EVAL_EVERY=0), hf, 2, small), small) == []
     assert any(e.startswith("drafter role") and "(evaluation)" in e
                for e in planner.check_fits(planner.estimate(bench_cfg(EVAL_EVERY=1), hf, 2, small), small))
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "smol"])
+def test_dflash2_adds_its_params_and_terms(shape):
+    """DRAFTER_ARCH=dflash2: drafter_params counts DFlash2Drafter's own parameters (convolutions and the selector,
+    each with its gradient and AdamW state), and its activations and selector loss are terms of their own."""
+    from model.dflash2 import DFlash2Config, DFlash2Drafter
+    from model.drafter import DrafterConfig
+    hf = bd.hf_config(shape)
+    d2 = dict(DRAFTER_ARCH="dflash2", CONV_GROUP_SIZE=16, SELECTOR_RANK=256, SELECTOR_TOP_K=16, CONV_KERNEL_SIZE=2)
+    with torch.device("meta"):
+        drafter = DFlash2Drafter(DFlash2Config.from_drafter(DrafterConfig.from_target(hf, 5, 16, bd.SHAPES[shape][-1]),
+                                                            conv_group_size=16, selector_rank=256, selector_top_k=16))
+    base, more = planner.estimate(bench_cfg(), hf, 2), planner.estimate(bench_cfg(**d2), hf, 2)
+    assert more["derived"]["drafter_params"] == sum(p.numel() for p in drafter.parameters())
+    extra = more["derived"]["drafter_params"] - base["derived"]["drafter_params"]
+    terms = {t["short"]: t["bytes"] for t in more["roles"]["drafter"]["terms"]}
+    assert terms["arch acts"] > 0 and terms["arch loss"] > 0
+    static = more["roles"]["drafter"]["static"] - base["roles"]["drafter"]["static"]
+    assert static >= 3 * 4 * extra          # fp32 weights + AdamW's two moments; DDP buckets on top
+    assert more["roles"]["drafter"]["total"] > base["roles"]["drafter"]["total"] + static
