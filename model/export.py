@@ -153,6 +153,27 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
     config.json likewise, and data's content_hash is the one data.prepare wrote to DATA/stats.json."""
     name = target_name(target)
     tgt = name or "TARGET"                 # the serving commands' target: a Hub id or an absolute folder
+    B, dflash2 = cfg.block_size, isinstance(cfg, DFlash2Config)
+    rows = _card_rows(cfg, dtype, name, target, target_fingerprint, step, data, config_sha256)
+    lines = []
+    if name and HUB_ID.fullmatch(name):
+        lines += ["---", f"base_model: {name}", "library_name: transformers",
+                  "tags:", "- dflash"] + (["- dflash2"] if dflash2 else []) + ["- speculative-decoding", "---", ""]
+    kind = "DFlash2" if dflash2 else "DFlash"
+    lines += [f"# {kind} drafter for {name or 'its target'}", "",
+              f"A {kind} block-diffusion drafter for speculative decoding: from the target's hidden states it drafts "
+              f"{B - 1} tokens in one forward"
+              + (" (block-local dynamic convolutions in every layer; a candidate selector picks each slot's token "
+                 "given the one before)" if dflash2 else "")
+              + "; the target verifies them, so the output is the target's own. It has no "
+              "embedding or lm_head: it uses the target's, and it serves only the target it was trained on.", "",
+              "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+    lines += _card_measured(evaluation) + _card_serving(tgt, B, dflash2)
+    return "\n".join(lines)
+
+
+def _card_rows(cfg, dtype, name, target, target_fingerprint, step, data, config_sha256) -> list[tuple[str, str]]:
+    """The model card's table: the target and its hashes, the drafter's shape, the training it had."""
     B = cfg.block_size
     n_sliding = cfg.layer_types.count("sliding_attention")
     rows = [("target", f"`{name}`" if name else "not recorded (pass target= to export_drafter)")]
@@ -188,20 +209,12 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
                          if v else "not recorded (DATA has no stats.json from data.prepare)"))
         elif v is not None:
             rows.append((f"data {k}", _fmt(v)))
-    lines = []
-    if name and HUB_ID.fullmatch(name):
-        lines += ["---", f"base_model: {name}", "library_name: transformers",
-                  "tags:", "- dflash"] + (["- dflash2"] if dflash2 else []) + ["- speculative-decoding", "---", ""]
-    kind = "DFlash2" if dflash2 else "DFlash"
-    lines += [f"# {kind} drafter for {name or 'its target'}", "",
-              f"A {kind} block-diffusion drafter for speculative decoding: from the target's hidden states it drafts "
-              f"{B - 1} tokens in one forward"
-              + (" (block-local dynamic convolutions in every layer; a candidate selector picks each slot's token "
-                 "given the one before)" if dflash2 else "")
-              + "; the target verifies them, so the output is the target's own. It has no "
-              "embedding or lm_head: it uses the target's, and it serves only the target it was trained on.", "",
-              "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
-    lines += ["## Measured at export", ""]
+    return rows
+
+
+def _card_measured(evaluation) -> list[str]:
+    """The card's "Measured at export" section: tau overall and per category, or how to measure it."""
+    lines = ["## Measured at export", ""]
     if evaluation and evaluation.get("tau") is not None:
         e = evaluation
         lossless = {True: ", lossless", False: ", NOT lossless (see the evaluation log)"}.get(e.get("lossless"), "")
@@ -224,7 +237,12 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
     else:
         lines += ["No evaluation ran for this export; measure tau with "
                   "`python eval_dflash.py --target TARGET --drafter THIS_FOLDER --prompts PROMPTS.jsonl`.", ""]
-    lines += ["## Serve it", "",
+    return lines
+
+
+def _card_serving(tgt: str, B: int, dflash2: bool) -> list[str]:
+    """The card's "Serve it" and "What was checked" sections: SGLang, vLLM and Transformers commands."""
+    return ["## Serve it", "",
               "`DRAFTER` is this folder (or its Hub id once uploaded)."
               + (" The engines load a DFlash2 drafter through the same DFLASH speculative flags, choosing the model "
                  "by config.json's `architectures` (`DFlash2DraftModel`): use a release whose DFlash support "
@@ -260,7 +278,6 @@ def model_card(cfg: DrafterConfig, dtype, target=None, target_fingerprint=None, 
               "`\"method\": \"dflash\"` and `num_speculative_tokens` = block size - 1). "
               "Older SGLang builds read only `dflash_config.mask_token` (a string, default "
               "`<|MASK|>`), not `mask_token_id`; use one that reads `dflash_config.mask_token_id`.", ""]
-    return "\n".join(lines)
 
 
 def load_drafter(path, device="cpu", dtype=None) -> Drafter:

@@ -145,9 +145,8 @@ def resolve_paths(c: dict) -> None:
 
 # --- checks ---------------------------------------------------------------------------------------------------------
 
-def check_config(c, world: int) -> None:
-    """Contradictions a user can fix in the settings c (train_dflash's constants as attributes), reported before
-    any model is loaded."""
+def _topology_errors(c, world: int) -> list[str]:
+    """TARGET_RANKS and TARGET_SHARDS against the job's world size, and what a sharded target cannot run."""
     errs = []
     if world > 1 and not 1 <= c.TARGET_RANKS < world:
         errs.append(f"TARGET_RANKS={c.TARGET_RANKS} must be between 1 and world size - 1 = {world - 1} "
@@ -164,6 +163,43 @@ def check_config(c, world: int) -> None:
             if getattr(c, name):
                 errs.append(f"{name} does not work with TARGET_SHARDS={c.TARGET_SHARDS} ({why}): set --{name}=False "
                             f"or TARGET_SHARDS=1")
+    return errs
+
+
+def _target_errors(c) -> list[str]:
+    """What TARGET's config.json rules out: not a causal LM, no weights, DFlash2 and HEAD_FP8 sizes that do not fit."""
+    errs = []
+    tgt = Path(c.TARGET).expanduser()
+    if not (tgt / "config.json").exists():
+        errs.append(f"TARGET={c.TARGET} has no config.json: it must be a local Hugging Face model folder")
+    else:
+        tcfg = json.loads((tgt / "config.json").read_text())
+        arch = tcfg.get("architectures") or []
+        if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
+            errs.append(f"TARGET={c.TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
+                        f"*ForCausalLM target")
+        elif not any(next(tgt.glob(pat), None) for pat in ckpt.WEIGHT_FILES):
+            errs.append(f"TARGET={c.TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
+                        f"download the model's weight files into it")
+        tc = tcfg.get("text_config", tcfg)
+        V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
+        if c.DRAFTER_ARCH == "dflash2" and H % c.CONV_GROUP_SIZE:
+            errs.append(f"CONV_GROUP_SIZE={c.CONV_GROUP_SIZE} does not divide the drafter's hidden size {H} (the "
+                        f"target's): pick a divisor of {H}, e.g. --CONV_GROUP_SIZE={math.gcd(H, 16)}")
+        if c.DRAFTER_ARCH == "dflash2" and c.SELECTOR_TOP_K > V:
+            errs.append(f"SELECTOR_TOP_K={c.SELECTOR_TOP_K} exceeds the vocabulary ({V} tokens): set "
+                        f"--SELECTOR_TOP_K={min(16, V)}")
+        if c.HEAD_FP8:
+            if V % 16 or H % 16:
+                errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
+                            f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
+    return errs
+
+
+def check_config(c, world: int) -> None:
+    """Contradictions a user can fix in the settings c (train_dflash's constants as attributes), reported before
+    any model is loaded."""
+    errs = _topology_errors(c, world)
     for name, (lo, strict) in RANGES.items():
         v = getattr(c, name)
         if not math.isfinite(v) or (v <= lo if strict else v < lo):
@@ -189,30 +225,7 @@ def check_config(c, world: int) -> None:
     if Path(c.OUT_DIR).exists() and not Path(c.OUT_DIR).is_dir():
         errs.append(f"OUT_DIR={c.OUT_DIR} is a file, not a folder: point OUT_DIR at a folder (it is created if "
                     f"missing)")
-    tgt = Path(c.TARGET).expanduser()
-    if not (tgt / "config.json").exists():
-        errs.append(f"TARGET={c.TARGET} has no config.json: it must be a local Hugging Face model folder")
-    else:
-        tcfg = json.loads((tgt / "config.json").read_text())
-        arch = tcfg.get("architectures") or []
-        if not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in arch):
-            errs.append(f"TARGET={c.TARGET} is not a causal LM (architectures={arch}); DFlash needs a decoder-only "
-                        f"*ForCausalLM target")
-        elif not any(next(tgt.glob(pat), None) for pat in ckpt.WEIGHT_FILES):
-            errs.append(f"TARGET={c.TARGET} has a config.json but no weights ({', '.join(ckpt.WEIGHT_FILES)}): "
-                        f"download the model's weight files into it")
-        tc = tcfg.get("text_config", tcfg)
-        V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
-        if c.DRAFTER_ARCH == "dflash2" and H % c.CONV_GROUP_SIZE:
-            errs.append(f"CONV_GROUP_SIZE={c.CONV_GROUP_SIZE} does not divide the drafter's hidden size {H} (the "
-                        f"target's): pick a divisor of {H}, e.g. --CONV_GROUP_SIZE={math.gcd(H, 16)}")
-        if c.DRAFTER_ARCH == "dflash2" and c.SELECTOR_TOP_K > V:
-            errs.append(f"SELECTOR_TOP_K={c.SELECTOR_TOP_K} exceeds the vocabulary ({V} tokens): set "
-                        f"--SELECTOR_TOP_K={min(16, V)}")
-        if c.HEAD_FP8:
-            if V % 16 or H % 16:
-                errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
-                            f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
+    errs += _target_errors(c)
     if c.HEAD_FP8 and not c.CE_CHUNK:   # the unchunked loss is the bf16 reference: HEAD_FP8 would do nothing there
         errs.append("HEAD_FP8 runs in the chunked loss only, and CE_CHUNK=0 is the unchunked reference: set "
                     "--CE_CHUNK=4096 or --HEAD_FP8=False")

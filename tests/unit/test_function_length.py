@@ -8,11 +8,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 MAX_LINES = 100
 PRODUCT = ("trainer", "model", "data", "tools", "bench")   # with the root's *.py
-# Functions let over MAX_LINES for now, "path:qualified.name" -> why, and when they come off. An entry must still be
-# over the limit (test_every_allowed_function_is_still_over_the_limit), so the list cannot outlive its reasons.
-ALLOWED = {
-    "model/export.py:model_card": "split when the DFlash2 card lands",   # being edited on another branch
-}
 
 
 def product_files() -> list[Path]:
@@ -47,13 +42,6 @@ def test_the_walk_reads_every_product_folder():
 
 
 def test_no_product_function_is_over_100_lines():
-    over = {name: n for name, n in function_lengths().items() if n > MAX_LINES and name not in ALLOWED}
+    over = {name: n for name, n in function_lengths().items() if n > MAX_LINES}
     assert not over, (f"over {MAX_LINES} lines (split each into named helpers, STYLE.md: a function is a paragraph "
                       "of the story): " + "; ".join(f"{name} ({n} lines)" for name, n in sorted(over.items())))
-
-
-def test_every_allowed_function_is_still_over_the_limit():
-    lengths = function_lengths()
-    stale = {name: lengths.get(name) for name in ALLOWED if lengths.get(name, 0) <= MAX_LINES}
-    assert not stale, ("ALLOWED names functions no longer over the limit: take them off the list: "
-                       + "; ".join(f"{name} ({'gone' if n is None else f'{n} lines'})" for name, n in stale.items()))
