@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-import eval_dflash
 from data.loader import Data, DataError, Schedule, read_stats
 from model import fp8
 from model import drafters
 from model.drafter import Drafter, DrafterConfig
 from trainer import checkpoint as ckpt
+from trainer import evaluate as measure
 from trainer import settings
 from trainer.drafter_step import StepConfig, StepSums, autocast_for, drafter_step, optimizer_step
 from trainer.optim import lr_at
@@ -449,9 +449,9 @@ def evaluate(run, drafter):
                                                             local_files_only=True).to(d.device).eval()
         drafter.eval()
         with torch.no_grad():
-            res = eval_dflash.evaluate(target_model, setup["tok"], drafter, setup["prompts"],
-                                       max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
-                                       reference=run.eval_reference, enable_thinking=setup["enable_thinking"], log=None)
+            res = measure.evaluate(target_model, setup["tok"], drafter, setup["prompts"],
+                                   max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
+                                   reference=run.eval_reference, enable_thinking=setup["enable_thinking"], log=None)
         del target_model
         if d.device.type == "cuda":
             torch.cuda.empty_cache()   # give the evaluation's memory back to training

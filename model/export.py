@@ -91,7 +91,7 @@ def export_drafter(drafter: Drafter, out_dir, dtype=torch.bfloat16, state=None, 
     drafter.state_dict() (a sharded drafter's, gathered: checkpoint.full_state). The rest only feeds the model card
     (model_card), each optional: target (its Hub id or folder), target_fingerprint (checkpoint.target_fingerprint),
     step (optimizer steps trained), data (a dict summarising the data, e.g. data.loader.Data.fingerprint()),
-    evaluation (eval_dflash.evaluate's result at this step: tau, tau_by_category, lossless, prompts). config: another
+    evaluation (trainer.evaluate.evaluate's result at this step: tau, tau_by_category, lossless, prompts). config: another
     architecture's config.json (export_dflash2)."""
     out = Path(out_dir)
     state = drafter.state_dict() if state is None else state

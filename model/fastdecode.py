@@ -255,7 +255,7 @@ class FastDecoder:
 
     @torch.inference_mode()
     def speculative(self, prompt_ids, d: "DraftState", max_new_tokens, eos) -> dict:
-        """-> {tokens, steps}, as eval_dflash.speculative_decode with block verification: steps = tokens
+        """-> {tokens, steps}, as model.decode.speculative_decode with block verification: steps = tokens
         committed per verify step (accepted + the bonus token, cut at the first eos and at max_new_tokens)."""
         self._check_fits(len(prompt_ids), max_new_tokens, d.B)
         step = lambda: self._spec_step(d)                                         # noqa: E731

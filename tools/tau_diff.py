@@ -10,7 +10,7 @@ prompts of each prompt's tau, so the difference is the mean of the per-prompt di
 is theirs (sd / sqrt(n)): pairing by prompt cancels most of the prompt-to-prompt spread (a prompt easy for one
 drafter is easy for the other). Per category the same over its prompts; the macro difference is the mean of the
 per-category mean differences (each category weighted equally), its SE sqrt(sum se_c^2) / C
-(eval_dflash.category_stats). That SE is the resolution to read a difference against: |diff| <= 2 SE is within
+(trainer.evaluate.category_stats). That SE is the resolution to read a difference against: |diff| <= 2 SE is within
 noise.
 """
 import argparse
@@ -19,7 +19,7 @@ import json
 import math
 import sys
 
-from eval_dflash import category_stats, mean_se
+from trainer.evaluate import category_stats, mean_se
 
 
 def read_result(path: str) -> list[dict]:

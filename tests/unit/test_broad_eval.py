@@ -1,5 +1,5 @@
 """data/default/eval_broad.jsonl: the shipped file is data.broad_eval's output, its categories are full, its rows
-load in eval_dflash, and it is held out of training data (data/filters.py) and absent from the shipped training
+load in eval_dflash.py, and it is held out of training data (data/filters.py) and absent from the shipped training
 prompts."""
 import json
 
@@ -8,7 +8,6 @@ import pytest
 from data import broad_eval
 from data import filters as F
 from data.sources import write_jsonl
-import eval_dflash
 from data.prompts import load_prompts, prompt_messages
 
 MIN_PER_CATEGORY = 25

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eval_dflash import evaluate_drafters
+from trainer.evaluate import evaluate_drafters
 from model import drafters
 from model.decode import DrafterProposer, greedy_decode, speculative_decode
 from model.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_keys

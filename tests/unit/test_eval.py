@@ -1,7 +1,7 @@
-"""eval_dflash: the verify/accept/commit loop against plain greedy decoding, oracle and wrong proposers, DDTree, the
-drafter's context KV cache, the context limit, several drafters sharing one reference, --workers, the CLI on
-SmolLM2; per-category and macro tau against a slow reference, prompt rows checked before the target loads, multi-turn
-rows with answer placeholders; tools.tau_diff."""
+"""trainer/evaluate.py and its CLI eval_dflash.py: the verify/accept/commit loop against plain greedy decoding, oracle
+and wrong proposers, DDTree, the drafter's context KV cache, the context limit, several drafters sharing one
+reference, --workers, the CLI on SmolLM2; per-category and macro tau against a slow reference, prompt rows checked
+before the target loads, multi-turn rows with answer placeholders; tools.tau_diff."""
 import gzip
 import json
 import re
@@ -13,10 +13,12 @@ import torch
 from conftest import SMOLLM2_DIR
 import eval_dflash
 from data.prompts import PromptTooLong, encode_prompt, load_prompts, prompt_messages, refused_by_template
-from eval_dflash import evaluate, evaluate_drafters, main
+from eval_dflash import main
 from model.decode import build_tree, eos_ids, greedy_decode, speculative_decode
 from model.drafter import DrafterCache
 from model.export import export_drafter, load_drafter
+from trainer import evaluate as measure
+from trainer.evaluate import evaluate, evaluate_drafters
 
 B = 4
 
@@ -226,7 +228,7 @@ def test_several_drafters_equal_each_alone(target, build_drafter, tiny_qwen3_dir
     kw = dict(block_size=B, max_new_tokens=16, tree_budget=6, tree_top_k=3, log=None)
     alone = [evaluate(target, None, x, prompts(), **kw) for x in drafters]
     calls = []
-    monkeypatch.setattr(eval_dflash, "greedy_decode", lambda *a: calls.append(1) or greedy_decode(*a))
+    monkeypatch.setattr(measure, "greedy_decode", lambda *a: calls.append(1) or greedy_decode(*a))
     both = evaluate_drafters(target, None, drafters, prompts(), **kw)
     assert len(calls) == 1 + 3                                           # warm-up + one reference per prompt
     assert both[0]["tau"] < both[1]["tau"]
@@ -411,7 +413,7 @@ def test_category_stats_and_macro_equal_a_slow_reference():
     import statistics
     taus = {"chat": [1.0, 1.5, 2.5], "code": [3.0, 4.0, 3.5, 5.5], "howto": [2.0, None, 2.2]}
     rows = [{"id": f"{c}{i}", "category": c, "tau": t} for c, ts in taus.items() for i, t in enumerate(ts)]
-    cats, macro = eval_dflash.category_stats(rows, "tau")
+    cats, macro = measure.category_stats(rows, "tau")
     slow = {}
     for c, ts in taus.items():
         ts = [t for t in ts if t is not None]
@@ -425,18 +427,18 @@ def test_category_stats_and_macro_equal_a_slow_reference():
                                          + slow["howto"]["se"] ** 2) ** 0.5 / 3)
     # the macro weighs categories, not prompts: code's 4 prompts count as much as howto's 2
     assert macro["mean"] != pytest.approx(statistics.fmean(t for ts in taus.values() for t in ts if t is not None))
-    one = eval_dflash.category_stats([{"category": "a", "tau": 2.0}, {"category": "b", "tau": 1.0},
+    one = measure.category_stats([{"category": "a", "tau": 2.0}, {"category": "b", "tau": 1.0},
                                       {"category": "b", "tau": 3.0}])[1]
     assert one["mean"] == 2.0 and one["se"] is None          # a one-prompt category has no SE, nor has the macro
 
 
 def test_summary_and_report_give_categories_and_macro(target):
     res = run(target, Oracle(target, wrong_slot=lambda start: 2), 12)
-    cats, macro = eval_dflash.category_stats(res["per_prompt"], "tau")
+    cats, macro = measure.category_stats(res["per_prompt"], "tau")
     assert res["tau_categories"] == cats and set(cats) == {"a", "b/x", "b/y"}
     assert res["tau_macro"] == macro["mean"] and res["tau_macro_se"] == macro["se"]
-    assert res["tau_se"] == eval_dflash.mean_se([r["tau"] for r in res["per_prompt"]])[2]
-    lines = eval_dflash.report_lines(res)
+    assert res["tau_se"] == measure.mean_se([r["tau"] for r in res["per_prompt"]])[2]
+    lines = measure.report_lines(res)
     assert any(re.fullmatch(rf"b/x\s+1\s+{res['tau_categories']['b/x']['mean']:.2f}\s+-", ln) for ln in lines), lines
     assert any(ln.startswith("macro (3 categories)") for ln in lines), lines
     assert lines[-2].startswith(f"macro tau {res['tau_macro']:.2f} +- -")
@@ -541,13 +543,13 @@ def test_multiturn_row_measures_the_second_answer(tiny_smollm2, build_drafter):
 
     def encode(msgs):
         return tok(render(tok, msgs, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    first = greedy_decode(model, encode([u1]), eval_dflash.EARLIER_ANSWER_TOKENS, eos)
+    first = greedy_decode(model, encode([u1]), measure.EARLIER_ANSWER_TOKENS, eos)
     answer = tok.decode([t for t in first if t not in eos], skip_special_tokens=True)
     want = encode([u1, {"role": "assistant", "content": answer}, u2])
     with pytest.raises(ValueError, match="answer placeholder: encoding it needs the target"):
         encode_prompt(tok, row)
     assert len(answer) > 0 and encode_prompt(tok, row, answer=lambda ids: [
-        t for t in greedy_decode(model, ids, eval_dflash.EARLIER_ANSWER_TOKENS, eos) if t not in eos]) == want
+        t for t in greedy_decode(model, ids, measure.EARLIER_ANSWER_TOKENS, eos) if t not in eos]) == want
     drafter = build_drafter(tiny_smollm2, num_layers=1, block_size=B)
     res = evaluate(model, tok, drafter, [row], max_new_tokens=8, log=None)
     r = res["per_prompt"][0]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import SMOLLM2_DIR, TINY
-from eval_dflash import evaluate, evaluate_drafters, main, report_lines
+from eval_dflash import main
+from trainer.evaluate import evaluate, evaluate_drafters, report_lines
 from model.decode import (DrafterProposer, drafts_at_every_anchor, greedy_decode, greedy_references, speculative_decode,
                           target_forward, walk_steps, walk_tree_steps)
 from model.export import export_drafter

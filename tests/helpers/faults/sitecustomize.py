@@ -14,7 +14,7 @@ Inert unless one of these environment variables is set (the test sets them; torc
     FAULT_SAVE_ENOSPC=N       the N-th state.pt write writes half its bytes, then raises OSError(ENOSPC)
     FAULT_BATCH_ERROR=N       the N-th data.batching.BatchPlan.batch call raises RuntimeError (an error on the
                               thread that pads micro-batches)
-    FAULT_SLOW_EVAL=S         each eval_dflash.evaluate call sleeps S seconds first (a long in-training evaluation)
+    FAULT_SLOW_EVAL=S         each trainer.evaluate.evaluate call sleeps S seconds first (a long in-training evaluation)
 
 Every injection prints one line starting with "FAULT:" so a test can wait for it. The patches attach when the
 trainer imports the module concerned (model.target, trainer.checkpoint, trainer.pipe), so nothing heavy is imported here.
@@ -129,7 +129,7 @@ def _patch_eval(mod) -> None:
 
 
 _PATCHES = {"model.target": _patch_target, "trainer.checkpoint": _patch_checkpoint, "trainer.pipe": _patch_pipe,
-            "data.batching": _patch_batching, "eval_dflash": _patch_eval}
+            "data.batching": _patch_batching, "trainer.evaluate": _patch_eval}
 
 
 class _Hook(importlib.abc.MetaPathFinder):
