@@ -18,7 +18,6 @@ Random weights have none of a trained model's massive activations: their FP8 err
 reads a real HF folder for the error part instead).
 """
 import argparse
-import dataclasses
 import json
 import os
 import re
