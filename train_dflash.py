@@ -30,7 +30,7 @@ from model.drafter import Drafter, DrafterConfig
 from trainer import checkpoint as ckpt
 from trainer import evaluate as measure
 from trainer import settings
-from trainer.drafter_step import StepConfig, StepSums, autocast_for, drafter_step, optimizer_step
+from trainer.drafter_step import StepSums, autocast_for, drafter_step, optimizer_step
 from trainer.optim import lr_at
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
 from trainer.roles import (Dist, build_drafter, choose_resume, drafter_config, load_data, load_target, resume,
@@ -145,6 +145,11 @@ def constants() -> settings.Settings:
     return settings.Settings(**{k: globals()[k] for k in CONFIG_KEYS})
 
 
+def defaults(**overrides) -> settings.Settings:
+    """The constants above with `overrides` (names of constants), frozen: a bench's or a test's settings."""
+    return constants().replace(**overrides)
+
+
 def configure(argv) -> tuple[dict, set[str]]:
     """--NAME=VALUE overrides and the embedded defaults applied to the constants above (main, and launch.sh's check
     before it starts a job). -> (the run's settings, the names given on the command line)."""
@@ -184,9 +189,8 @@ def check_config(world: int) -> None:
 
 
 def main(argv):
-    config, given = configure(argv)
+    _, given = configure(argv)
     c = constants()   # frozen: every phase below reads the run's settings from it
-    step_cfg = StepConfig.of(config)
     d = Dist(c)
     log(f"[rank {d.rank} {d.role}] {d}")
     out_dir, watchdog = Path(OUT_DIR), None
@@ -198,13 +202,13 @@ def main(argv):
     stop_flag = on_signals(f"[rank {d.rank} {d.role}]", watchdog, ck_root, log)
     try:
         # 1. settings that need the target's config and tokenizer, the data: all checked before any model loads
-        dcfg, hf_cfg, eval_setup = drafter_config(c, d, config)
+        c, dcfg, hf_cfg, eval_setup = drafter_config(c, d)
         init_notes = settings.check_init_from(c, dcfg) if INIT_FROM else []
-        data = load_data(c, d, config, hf_cfg, watchdog)
+        data = load_data(c, d, hf_cfg, watchdog)
         # 2. where to start
         resume_path = choose_resume(c, d, watchdog, out_dir, ck_root)
         fingerprint = ckpt.target_fingerprint(TARGET)
-        rp = resume(d, watchdog, resume_path, config, data, dcfg, fingerprint)
+        rp = resume(c, d, watchdog, resume_path, data, dcfg, fingerprint)
         try:
             sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, GRAD_ACCUM, EPOCHS, MAX_STEPS,
                              rp.start_g, rp.planned_g)
@@ -212,23 +216,23 @@ def main(argv):
             sys.exit(f"error: {e}")
         total_steps = rp.step + sched.steps
         if d.is_master:
-            log_plan(d, config, given, data, sched, dcfg, rp.step, total_steps, resume_path, init_notes)
+            log_plan(d, c, given, data, sched, dcfg, rp.step, total_steps, resume_path, init_notes)
         if DRY_RUN:
             if d.is_master:
                 log("DRY_RUN: config and data are fine; exiting before loading any model")
             finish(d, watchdog, code=0)
         if d.is_master:
-            ckpt.write_run_info(out_dir, config, d.world, [d.n_targets, d.n_drafters], data, dcfg, fingerprint,
+            ckpt.write_run_info(out_dir, c.as_dict(), d.world, [d.n_targets, d.n_drafters], data, dcfg, fingerprint,
                                 resume_path)
         # 3. a target rank's job
         target = load_target(c, d, dcfg, watchdog) if d.is_target else None
         if d.is_target and not d.colocated:
             run_target(c, d, data, sched, target, watchdog)
         # 4. a drafter rank's (or the one process's) job
-        drafter, model, opt, embed, head_w = build_drafter(c, d, dcfg, target, resume_path, watchdog, step_cfg)
+        drafter, model, opt, embed, head_w = build_drafter(c, d, dcfg, target, resume_path, watchdog)
         pre_stats = {}
-        feed = start_feed(c, d, data, sched, target, dcfg, watchdog, pre_stats, step_cfg)
-        train(Run(d=d, dcfg=dcfg, config=config, step_cfg=step_cfg, data=data, sched=sched, drafter=drafter,
+        feed = start_feed(c, d, data, sched, target, dcfg, watchdog, pre_stats)
+        train(Run(d=d, dcfg=dcfg, c=c, data=data, sched=sched, drafter=drafter,
                   model=model, opt=opt, embed=embed, head_w=head_w, feed=feed, pre_stats=pre_stats, watchdog=watchdog,
                   stop_flag=stop_flag, eval_setup=eval_setup, ck_root=ck_root, fingerprint=fingerprint, step=rp.step,
                   step0=rp.step, total_steps=total_steps))
@@ -257,8 +261,8 @@ class Run:
     """What the drafter loop reads and updates, built by main's phases."""
     d: Dist
     dcfg: DrafterConfig
-    config: dict                   # the final settings, snapshotted into every checkpoint
-    step_cfg: StepConfig           # the settings of a drafter step, from config
+    c: settings.Settings           # the run's settings (MASK_TOKEN_ID, TARGET_LAYER_IDS filled in), snapshotted
+                                   # into every checkpoint
     data: Data
     sched: Schedule
     drafter: Drafter               # fp32 master weights
@@ -290,7 +294,7 @@ def train(run):
     """lr -> micro-steps -> step -> stop -> log -> save, until the schedule ends or a signal asks to stop."""
     d, B = run.d, run.dcfg.block_size
     if d.is_master:
-        run.metrics = Metrics(Path(OUT_DIR), run.config)
+        run.metrics = Metrics(Path(OUT_DIR), run.c)
         if run.watchdog:
             run.watchdog.on_abort.append(run.metrics.flush)
     autocast = autocast_for(d.device, d.dtype)
@@ -317,7 +321,7 @@ def train(run):
             if run.watchdog:
                 run.watchdog.state = f"training step {run.step + 1} micro-batch g={item.g}"
             t0 = clock.start()
-            sums = drafter_step(run.model, run.embed, run.head_w, item, B, autocast, run.step_cfg,
+            sums = drafter_step(run.model, run.embed, run.head_w, item, B, autocast, run.c,
                                 sync=m == GRAD_ACCUM - 1 or d.n_drafters == 1)
             if m < GRAD_ACCUM - 1:
                 clock.stop(t0, item.tokens)
@@ -424,7 +428,7 @@ def save_checkpoint(run):
     card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, evaluation=ev,
                 data={"rows": run.data.num_rows, "content_hash": read_stats(DATA).get("content_hash")})
     state = ckpt.train_state(run.drafter, run.opt, run.step, g, sharded=sharded)
-    meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.config, run.data,
+    meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.c.as_dict(), run.data,
                            run.dcfg, run.fingerprint)
     t = time.time()
     try:

@@ -12,10 +12,10 @@ nothing is written except by --write-assets.
 What the trainer does is called, not copied: the target is a model.target.Target (built from a config instead of
 from_pretrained) run through model.target.target_features; the drafter's micro-batches go through
 model.objective.prepare (step.make_prepare) on a pipe.Prefetcher, fed synthetic packets instead of the network; the
-drafter step is step.drafter_step + optimizer_step for one rank and GRAD_ACCUM=1, with a step.StepConfig. The
+drafter step is step.drafter_step + optimizer_step for one rank and GRAD_ACCUM=1, with the settings c.cfg. The
 transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
 Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) default to train_dflash's constants (read,
-never written: Context.cfg holds this run's values).
+never written: Context.cfg, a trainer.settings.Settings from td.defaults, holds this run's values).
 Every mode prints the planner's memory estimate (trainer/planner.py) next to the measured peak.
 """
 import argparse
@@ -51,7 +51,7 @@ from model.fp8 import convert_drafter, quantize_target
 from model.objective import micro_seed, pack, sample_anchors, set_ce_kernel
 from model.target import Target, target_features
 from trainer import planner
-from trainer.drafter_step import StepConfig, autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
+from trainer.drafter_step import autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
 from trainer.optim import make_optimizer
 from trainer.pipe import Packet, Prefetcher, Sender, receive
 
@@ -264,7 +264,7 @@ def bench_target(args, c) -> dict:
     batches = [make_batch(l, c.sizes.V, c.mask_id, g) for g, l in enumerate(lens)]
     if c.device.type == "cuda":
         batches = [(ids.pin_memory(), m, attn.pin_memory(), n) for ids, m, attn, n in batches]
-    inflight = deque(maxlen=c.cfg["SEND_DEPTH"] + 1)      # feature tensors pipe.Sender may still hold
+    inflight = deque(maxlen=c.cfg.SEND_DEPTH + 1)      # feature tensors pipe.Sender may still hold
 
     def forward(b):
         ids, _mask, attn, _n = b
@@ -319,7 +319,7 @@ def synthetic_feed(c, lens):
     """A drafter rank's Prefetcher without the network: each micro-batch's features drawn on the device, the
     trainer's prepare (anchors, blocks, masks) on its side stream into a queue of Q_HS."""
     packets = (synthetic_packet(c, lens[g % len(lens)], g) for g in itertools.count())
-    return Prefetcher(packets, make_prepare(c.dcfg, c.device, c.flex, c.step), c.device, c.cfg["Q_HS"], name="feeder")
+    return Prefetcher(packets, make_prepare(c.dcfg, c.device, c.flex, c.cfg), c.device, c.cfg.Q_HS, name="feeder")
 
 
 class DrafterRig:
@@ -338,16 +338,16 @@ class DrafterRig:
             self.head_w = fp8.HeadFP8(self.head_w)
         params = list(self.drafter.parameters())
         self.params = params
-        self.opt = make_optimizer(self.drafter, c.cfg["LR"], c.cfg["WEIGHT_DECAY"], overlap=overlap)
+        self.opt = make_optimizer(self.drafter, c.cfg.LR, c.cfg.WEIGHT_DECAY, overlap=overlap)
         self.autocast = autocast_for(c.device, c.dtype)
         self.step_w = torch.zeros(1, device=c.device, dtype=torch.float64)
 
     def step(self, item, probe=None, saved_hooks=None):
         """The trainer's step for one drafter rank, GRAD_ACCUM=1: step.drafter_step + optimizer_step."""
         sums = drafter_step(self.drafter, self.embed, self.head_w, item, self.c.dcfg.block_size, self.autocast,
-                            self.c.step, probe=probe, saved_hooks=saved_hooks)
+                            self.c.cfg, probe=probe, saved_hooks=saved_hooks)
         self.step_w += sums.objective_w
-        optimizer_step(self.params, self.opt, self.step_w, self.c.step.grad_clip)
+        optimizer_step(self.params, self.opt, self.step_w, self.c.cfg.GRAD_CLIP)
         if probe:
             probe("optimizer")
 
@@ -393,16 +393,16 @@ def synthetic_features(c, T):
     pool = _FEATURES.get(key)
     if pool is None or pool.shape[0] < T:
         g = torch.Generator(device=c.device).manual_seed(1234)
-        pool = _FEATURES[key] = torch.randn(max(T, c.step.token_budget), width, device=c.device, dtype=c.dtype,
+        pool = _FEATURES[key] = torch.randn(max(T, c.cfg.TOKEN_BUDGET), width, device=c.device, dtype=c.dtype,
                                             generator=g)
     return pool[:T].clone()
 
 
-def packet_anchors(lengths, loss_mask, g, s: StepConfig):
+def packet_anchors(lengths, loss_mask, g, s):
     """(doc_ids, positions, anchors) of micro-batch g as model.objective.prepare draws them (same seed)."""
     doc_ids, positions = pack(lengths)
-    anchors = sample_anchors(loss_mask, doc_ids, s.max_anchors, torch.Generator().manual_seed(micro_seed(s.seed, g)),
-                             s.min_anchors_per_doc)
+    anchors = sample_anchors(loss_mask, doc_ids, s.MAX_ANCHORS, torch.Generator().manual_seed(micro_seed(s.SEED, g)),
+                             s.MIN_ANCHORS_PER_DOC)
     return doc_ids, positions, anchors
 
 
@@ -425,7 +425,7 @@ def bench_drafter(args, c) -> dict:
         t0 = time.time()
         warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
                               c.dcfg.head_dim, c.dcfg.block_size,
-                              mask_lengths(c.dcfg, c.device, c.flex, c.step))
+                              mask_lengths(c.dcfg, c.device, c.flex, c.cfg))
         compile_s = time.time() - t0
     lens = batch_lengths(args, 64)
     feeder = synthetic_feed(c, lens)
@@ -455,7 +455,7 @@ def bench_drafter(args, c) -> dict:
     B, L, K = c.dcfg.block_size, c.dcfg.num_hidden_layers, c.dcfg.num_taps
     flops, samples, tokens = {}, 0, 0
     for g, n, loss_mask, T, N, R in items:
-        _, positions, anchors = packet_anchors(n, loss_mask, g, c.step)
+        _, positions, anchors = packet_anchors(n, loss_mask, g, c.cfg)
         assert len(anchors) == N, "anchor draw differs from make_prepare's"
         f = drafter_flops(c.sizes, L, K, T, N * B, R, visible_pairs(positions, anchors, B))
         flops = {k: flops.get(k, 0) + v for k, v in f.items()}
@@ -502,7 +502,7 @@ def doc_mask_mod_twin(bm, packet, c):
     padded them before interval_mask_mod): what the mask_mod's own cost is inside the partial tiles."""
     B = c.dcfg.block_size
     q_len, kv_len = bm.seq_lengths
-    ctx_doc, _, a_idx = packet_anchors(packet.lengths, packet.loss_mask, packet.g, c.step)
+    ctx_doc, _, a_idx = packet_anchors(packet.lengths, packet.loss_mask, packet.g, c.cfg)
     T, N = ctx_doc.shape[0], a_idx.shape[0]
     n_pad = -(-q_len // B) - N
     i32 = lambda x: to_device(torch.tensor(x, dtype=torch.int32), c.device)   # noqa: E731
@@ -526,7 +526,7 @@ def bench_flex(args, c) -> dict:
                  "q/k/v strided as in the layer ([1, S, H, D].transpose(1, 2))": "strided",
                  "the same tiles with the document mask_mod (dflash_mask_mod, before interval_mask_mod)": "docmod"}
     packet = synthetic_packet(c, batch_lengths(args, 1)[0], 0)
-    item = make_prepare(c.dcfg, c.device, c.flex, c.step)(packet)
+    item = make_prepare(c.dcfg, c.device, c.flex, c.cfg)(packet)
     bm = item.attn.full
     q_len, kv_len = bm.seq_lengths
     nh, nkv, D, B = c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads, c.dcfg.head_dim, c.dcfg.block_size
@@ -596,7 +596,7 @@ def bench_flex(args, c) -> dict:
 def bench_ce(args, c) -> dict:
     """The CE epilogue alone on one [CE_CHUNK, V] chunk of bf16 logits, per kernel: ms, the bandwidth of its
     minimum traffic (one read and one write of the chunk), and its largest difference from the eager epilogue."""
-    rows_n, V = c.step.ce_chunk, c.sizes.V
+    rows_n, V = c.cfg.CE_CHUNK, c.sizes.V
     g = torch.Generator(device=c.device).manual_seed(0)
     logits = (torch.randn(rows_n, V, device=c.device, generator=g) * 2).to(c.dtype)
     y = torch.randint(0, V, (rows_n,), device=c.device, generator=g)
@@ -717,7 +717,7 @@ def bench_pipeline(args, c) -> dict:
         target = build_target(c.hf, c.dcfg.target_layer_ids, c.device, c.dtype, args.target_attn, args.compile,
                               args.seed) if args.pipe_compute else None
         ready = None if target else torch.randn(args.batch * args.seq, K * H, device=c.device, dtype=c.dtype)
-        sender = Sender(ctrl, data, c.cfg["SEND_DEPTH"], watch)
+        sender = Sender(ctrl, data, c.cfg.SEND_DEPTH, watch)
         sender.start()
         dist.barrier(group=ctrl)                       # both sides built (compiles done) before the clock starts
         c.reset_peak()
@@ -740,10 +740,10 @@ def bench_pipeline(args, c) -> dict:
         if rig and c.flex:
             warmup_flex_attention(c.device, c.dtype, c.dcfg.num_attention_heads, c.dcfg.num_key_value_heads,
                                   c.dcfg.head_dim, c.dcfg.block_size,
-                                  mask_lengths(c.dcfg, c.device, c.flex, c.step))
-        prepare = make_prepare(c.dcfg, c.device, c.flex, c.step) if rig else _Arrived
+                                  mask_lengths(c.dcfg, c.device, c.flex, c.cfg))
+        prepare = make_prepare(c.dcfg, c.device, c.flex, c.cfg) if rig else _Arrived
         receiver = Prefetcher(receive(((g, 0) for g in range(n)), ctrl, data, c.device, watch), prepare, c.device,
-                              c.cfg["Q_HS"], name="receiver", fail=watch.fail)
+                              c.cfg.Q_HS, name="receiver", fail=watch.fail)
         dist.barrier(group=ctrl)
         receiver.start()
         nbytes = tokens = samples = 0
@@ -1024,21 +1024,20 @@ class Context:
         self.dtype = torch.bfloat16 if cuda else torch.float32       # train_dflash's DTYPE=auto
         self.flex = cuda                                              # train_dflash's ATTN=auto
         # the trainer's settings (its constants' defaults), with those that shape a micro-batch set as given
-        self.cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
-        self.cfg.update(MAX_ANCHORS=args.anchors, BLOCK_SIZE=args.block, NUM_DRAFT_LAYERS=args.layers,
-                        TOKEN_BUDGET=args.batch * args.seq)
-        self.cfg.update({name: getattr(args, name.lower()) for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH")
-                         if getattr(args, name.lower()) is not None})
-        self.step = StepConfig.of(self.cfg)
+        given = {name: getattr(args, name.lower()) for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH")
+                 if getattr(args, name.lower()) is not None}
+        self.cfg = td.defaults(MAX_ANCHORS=args.anchors, BLOCK_SIZE=args.block, NUM_DRAFT_LAYERS=args.layers,
+                               TOKEN_BUDGET=args.batch * args.seq, TARGET_RANKS=1,
+                               DTYPE="bfloat16" if cuda else "float32", ATTN="flex" if self.flex else "sdpa",
+                               COMPILE_DRAFTER=args.compile_drafter, **given)
+        self.max_len = args.seq                                       # the planner's bound on the target's mask
         if args.flex_options and args.mode != "flex":
             set_flex_kernel_options(json.loads(args.flex_options))
         self.hf = hf_config(args.shape)
         self.mask_id = SHAPES[args.shape][-1]
         self.sizes = planner.model_sizes(self.hf)
         self.dcfg = DrafterConfig.from_target(self.hf, args.layers, args.block, self.mask_id,
-                                              num_taps=self.cfg["NUM_TAPS"] or None)
-        self.cfg.update(TARGET_RANKS=1, MAX_LEN=args.seq, DTYPE="bfloat16" if cuda else "float32",
-                        ATTN="flex" if self.flex else "sdpa", COMPILE_DRAFTER=args.compile_drafter)
+                                              num_taps=self.cfg.NUM_TAPS or None)
         self.peak_tflops = None
 
     def sync(self):
@@ -1165,8 +1164,8 @@ def run(args) -> dict:
         return info
     env = environment(c)
     gpu_mem = env["gpu_mem_bytes"]
-    plan = planner.estimate(c.cfg, c.hf, world_gpus=2, gpu_mem_bytes=gpu_mem)
-    res = {"args": vars(args), "env": env, "settings": {k: c.cfg[k] for k in
+    plan = planner.estimate(c.cfg, c.hf, world_gpus=2, gpu_mem_bytes=gpu_mem, max_len=c.max_len)
+    res = {"args": vars(args), "env": env, "settings": {k: getattr(c.cfg, k) for k in
            ("TOKEN_BUDGET", "MAX_ANCHORS", "BLOCK_SIZE", "NUM_DRAFT_LAYERS", "CE_CHUNK", "Q_HS", "SEND_DEPTH",
             "GAMMA", "MAX_BATCH_SIZE")}, "target_layer_ids": c.dcfg.target_layer_ids,
            "plan_full": plan, "plan": {k: v for k, v in plan.items() if not k.startswith("_")}}

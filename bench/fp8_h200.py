@@ -18,7 +18,6 @@ Random weights have none of a trained model's massive activations: their FP8 err
 reads a real HF folder for the error part instead).
 """
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -84,7 +83,7 @@ def work_flops(c, anchors):
     t_mm = n_run * 2 * bd.linear_params_per_layer(s) * T
     t_all = bd.target_flops(s, n_run, lengths)
     ids, mask, attn, n = bd.make_batch(lengths, s.V, c.mask_id, 0)
-    _, positions, a = bd.packet_anchors(n, mask[attn.bool()], 0, dataclasses.replace(c.step, max_anchors=anchors))
+    _, positions, a = bd.packet_anchors(n, mask[attn.bool()], 0, c.cfg.replace(MAX_ANCHORS=anchors))
     M, R = len(a) * B, len(a) * (B - 1)
     d = bd.drafter_flops(s, L, K, T, M, R, bd.visible_pairs(positions, a, B))
     fc = 4 * K * s.H * s.H * T
@@ -292,7 +291,7 @@ def main(argv=None):
         ap.error(f"--parts: unknown {', '.join(unknown)}; allowed are {', '.join(PARTS)}")
     t_start = time.time()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    c = bd.Context(bench_args(args))   # the trainer's settings at the bench shape (c.cfg, c.step)
+    c = bd.Context(bench_args(args))   # the trainer's settings at the bench shape (c.cfg)
     res = {"env": bd.environment(c)}
     e = res["env"]
     print(f"fp8_h200: {e['device']}, torch {e['torch']}, git {e['git']}, {e['date']}", flush=True)

@@ -263,12 +263,12 @@ class DFlash2Drafter(Drafter):
                 for p in (conv.base_kernel,)] + [sel.predecessor_codebook, sel.successor_codebook]
 
     @staticmethod
-    def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
+    def memory_terms(H, V, L, M, R, ce_rows, knobs) -> dict:
         """Drafter.memory_terms: per layer two convolutions of 2 x taps x H (base) + 2 x taps x G x H (projection)
         params; the selector 2 x V x r + r x H; per convolution its [M, 2, taps, G] coefficients and an [M, H] tensor
         per side; the selector loss [R, K, r] successor rows and [R, r] twice in fp32, [ce_rows, K, H] lm_head rows."""
-        taps, r, K = knobs["CONV_KERNEL_SIZE"], knobs["SELECTOR_RANK"], knobs["SELECTOR_TOP_K"]
-        G = H // knobs["CONV_GROUP_SIZE"]
+        taps, r, K = knobs.CONV_KERNEL_SIZE, knobs.SELECTOR_RANK, knobs.SELECTOR_TOP_K
+        G = H // knobs.CONV_GROUP_SIZE
         return {"params": L * 2 * (2 * taps * H + 2 * taps * G * H) + 2 * V * r + r * H,
                 "acts": L * 2 * (M * 2 * taps * G + 2 * M * H),
                 "loss_fp32": R * K * r + 2 * R * r + 4 * R * K, "loss_bf16": ce_rows * K * H}

@@ -339,7 +339,7 @@ class Drafter(nn.Module):
         return []
 
     @staticmethod
-    def memory_terms(H, V, L, M, R, ce_rows, knobs: dict) -> dict:
+    def memory_terms(H, V, L, M, R, ce_rows, knobs) -> dict:
         """What this architecture adds to trainer/planner.py's DFlash terms, in elements (the planner applies the
         dtypes): params (trainable: with their gradients and AdamW state), acts (saved forward activations, in the
         activation dtype), loss_fp32 and loss_bf16 (the loss's extra temporaries). H hidden, V vocab, L layers,

@@ -413,17 +413,17 @@ class ResumePoint:
     error: str | None = None         # why this run must not continue (the data changed)
 
 
-def resume_point(meta: dict | None, data, cfg: dict) -> ResumePoint:
+def resume_point(meta: dict | None, data, cfg) -> ResumePoint:
     """Where a run continues: the checkpoint's next micro-batch and LR schedule, moved to the same fraction of the
-    data when the batching or (with cfg["ALLOW_DATA_CHANGE"]) the dataset changed. meta: the checkpoint's meta.json
-    or None (a fresh run); data: the run's data.loader.Data; cfg: the run's settings (EPOCHS, MAX_STEPS,
-    ALLOW_DATA_CHANGE). Pure: reads nothing else, logs nothing."""
+    data when the batching or (with cfg.ALLOW_DATA_CHANGE) the dataset changed. meta: the checkpoint's meta.json
+    or None (a fresh run); data: the run's data.loader.Data; cfg: the run's settings (trainer.settings.Settings: EPOCHS,
+    MAX_STEPS, ALLOW_DATA_CHANGE). Pure: reads nothing else, logs nothing."""
     if not meta:
         return ResumePoint()
     rp = ResumePoint(start_g=meta["next_g"], step=meta["step"])
     old, nb = meta["data"], data.plan.num_batches
     # the schedule's length stays the checkpoint's unless what defines it changed
-    if (meta["config"].get("EPOCHS"), meta["config"].get("MAX_STEPS")) == (cfg["EPOCHS"], cfg["MAX_STEPS"]):
+    if (meta["config"].get("EPOCHS"), meta["config"].get("MAX_STEPS")) == (cfg.EPOCHS, cfg.MAX_STEPS):
         rp.planned_g = meta.get("planned_g")
     else:
         rp.notes.append("NOTE: EPOCHS/MAX_STEPS changed since the checkpoint: the LR schedule is re-planned")
@@ -436,7 +436,7 @@ def resume_point(meta: dict | None, data, cfg: dict) -> ResumePoint:
     elif old["content_hash"] != data.content_hash:
         what = (f"dataset changed since the checkpoint: it had {old['rows']} rows / {old['num_batches']} micro-batches "
                 f"(hash {old['content_hash'][:12]}), now {data.num_rows} / {nb} (hash {data.content_hash[:12]})")
-        if not cfg["ALLOW_DATA_CHANGE"]:
+        if not cfg.ALLOW_DATA_CHANGE:
             rp.error = (what + ". Set --ALLOW_DATA_CHANGE=True to continue on the new data (the LR schedule is "
                                "re-planned), or restore the old dataset")
             return rp

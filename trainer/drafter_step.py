@@ -1,9 +1,10 @@
 """One drafter step as a function of explicit settings: the trainer's loop and the bench (bench/bench_dflash.py)
-call the same `make_prepare`, `drafter_step` and `optimizer_step` with a `StepConfig`, read from train_dflash.py's
-constants of the same names (`StepConfig.of(config)`)."""
+call the same `make_prepare`, `drafter_step` and `optimizer_step` with the run's settings `c`
+(trainer.settings.Settings, read as c.NAME: SEED, MAX_ANCHORS, MIN_ANCHORS_PER_DOC, TOKEN_BUDGET, GAMMA,
+LOSS_WEIGHTING, DPACE_ALPHA, NOISE, CE_CHUNK, SELECTOR_ALPHA; train_dflash.py's constants of those names give units
+and allowed values)."""
 import contextlib
 import functools
-from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -13,28 +14,6 @@ from model.attention import static_lengths
 from model.drafters import SELECTOR_METRICS, arch_of, unwrap
 from model.objective import block_metrics, decay_weighted, micro_seed, prepare
 from trainer.optim import scale_clip_
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """The settings a micro-batch's preparation and a drafter step read; each is train_dflash's constant of the
-    upper-case name (its comment there gives units and allowed values)."""
-    seed: int
-    max_anchors: int
-    min_anchors_per_doc: int
-    token_budget: int
-    gamma: float
-    loss_weighting: str
-    dpace_alpha: float
-    noise: float
-    ce_chunk: int
-    grad_clip: float
-    selector_alpha: float = 1.0   # DRAFTER_ARCH=dflash2: the selector CE's weight beside the block CE
-
-    @classmethod
-    def of(cls, settings: dict) -> "StepConfig":
-        """From a {NAME: value} dict of the trainer's settings (train_dflash's config)."""
-        return cls(**{f.name: settings[f.name.upper()] for f in fields(cls)})
 
 
 class StepSums(NamedTuple):
@@ -61,32 +40,32 @@ class StepSums(NamedTuple):
         return torch.zeros(len(cls._fields), device=device, dtype=torch.float64)
 
 
-def mask_lengths(cfg, device, flex, s: StepConfig):
+def mask_lengths(cfg, device, flex, c):
     """The flex masks' fixed (Q_LEN, KV_LEN) on a GPU: max_anchors blocks against token_budget context rows, so
     flex_attention compiles once, for static shapes. None (each mask its own length) for the CPU's masks."""
     if not flex or torch.device(device).type != "cuda":
         return None
-    return static_lengths(s.max_anchors, cfg.block_size, s.token_budget)
+    return static_lengths(c.MAX_ANCHORS, cfg.block_size, c.TOKEN_BUDGET)
 
 
-def make_prepare(cfg, device, flex, s: StepConfig):
+def make_prepare(cfg, device, flex, c):
     """Packet -> Prepared (model.objective.prepare) with these settings."""
-    return functools.partial(prepare, cfg=cfg, seed=s.seed, max_anchors=s.max_anchors,
-                             min_per_doc=s.min_anchors_per_doc, gamma=s.gamma, flex=flex, device=device,
-                             lengths=mask_lengths(cfg, device, flex, s))
+    return functools.partial(prepare, cfg=cfg, seed=c.SEED, max_anchors=c.MAX_ANCHORS,
+                             min_per_doc=c.MIN_ANCHORS_PER_DOC, gamma=c.GAMMA, flex=flex, device=device,
+                             lengths=mask_lengths(cfg, device, flex, c))
 
 
-def drafter_step(model, embed, head_w, item, block_size, autocast, s: StepConfig, sync=True, probe=None,
+def drafter_step(model, embed, head_w, item, block_size, autocast, c, sync=True, probe=None,
                  saved_hooks=None) -> StepSums:
     """One micro-batch's forward, loss and backward: the gradients accumulate sum(w * CE) until optimizer_step.
     sync=False: a DDP model skips its gradient all-reduce (not the step's last micro-batch). probe(phase) and
     saved_hooks: the bench's instruments."""
     probe = probe or (lambda phase: None)
     feats = item.features                                                                    # [T, K*H]
-    if s.noise:
-        gen = torch.Generator(device=feats.device).manual_seed(micro_seed(s.seed, item.g))
+    if c.NOISE:
+        gen = torch.Generator(device=feats.device).manual_seed(micro_seed(c.SEED, item.g))
         feats = feats + (torch.rand(feats.shape, generator=gen, device=feats.device, dtype=torch.float32)
-                         * 2 - 1).mul_(s.noise).to(feats.dtype)
+                         * 2 - 1).mul_(c.NOISE).to(feats.dtype)
     no_sync = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
     if hasattr(model, "set_requires_gradient_sync"):   # FSDP2: reduce-scatter only after the step's last micro-batch
         model.set_requires_gradient_sync(sync)
@@ -94,14 +73,14 @@ def drafter_step(model, embed, head_w, item, block_size, autocast, s: StepConfig
         with saved_hooks or contextlib.nullcontext():
             hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
             probe("forward")
-            parts, extra = arch_of(model).loss(unwrap(model), hidden, head_w, item, s.loss_weighting, s.dpace_alpha,
-                                               s.ce_chunk, s.selector_alpha)
+            parts, extra = arch_of(model).loss(unwrap(model), hidden, head_w, item, c.LOSS_WEIGHTING, c.DPACE_ALPHA,
+                                               c.CE_CHUNK, c.SELECTOR_ALPHA)
             probe("CE")
         parts.loss_sum.backward()
     probe("backward")
     zero = parts.weight_sum.new_zeros(())
     bm = block_metrics(parts.correct.view(-1, block_size), item.weights.view(-1, block_size))
-    sums = torch.stack([*decay_weighted(parts, item, s.loss_weighting), bm["acc_num"], bm["acc_den"],
+    sums = torch.stack([*decay_weighted(parts, item, c.LOSS_WEIGHTING), bm["acc_num"], bm["acc_den"],
                         bm["streak_num"], bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum,
                         *[extra.get(k, zero) for k in SELECTOR_METRICS]]).double()
     return StepSums(*sums.unbind())

@@ -5,7 +5,7 @@ that names the setting to turn.
     print(format_plan(est, rates=(target_tok_s, drafter_tok_s)))
     errors = check_fits(est, gpu_mem_bytes)          # [] or one line per role that cannot fit, naming the knob
 
-`cfg` is train_dflash's constants as a dict (parse_overrides' return value); nothing here repeats their defaults.
+`cfg` is the run's settings (trainer.settings.Settings, read as cfg.NAME); nothing here repeats their defaults.
 Each role's peak = its static terms (weights, optimizer, queues) + the largest of its phases (the forward with the
 chunked CE, or the end of the backward). Every term is a named product of the config and the model sizes. The
 per-row constants below were read off the code (what autograd saves, counted with saved_tensors_hooks on a tiny
@@ -127,11 +127,11 @@ def drafter_params(s: Sizes, L: int, K: int) -> int:
     return drafter_linear_params(s, L, K) + bias + L * (2 * s.D + 2 * s.H) + 2 * s.H
 
 
-def layer_ids_of(cfg: dict, n_layers: int) -> list[int]:
-    ids = cfg.get("TARGET_LAYER_IDS") or ""
+def layer_ids_of(cfg, n_layers: int) -> list[int]:
+    ids = cfg.TARGET_LAYER_IDS or ""
     if isinstance(ids, str):
         ids = [int(x) for x in ids.split(",") if x.strip()]
-    return list(ids) or default_layer_ids(n_layers, cfg.get("NUM_TAPS") or cfg["NUM_DRAFT_LAYERS"])
+    return list(ids) or default_layer_ids(n_layers, cfg.NUM_TAPS or cfg.NUM_DRAFT_LAYERS)
 
 
 # --- the estimate ---------------------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     once = T * DFT_CTX_PER_H * s.H + (T + M) * DFT_ROPE_PER_D * s.D + M * DFT_OUT_PER_H * s.H
     item = d["feature_bytes"] + (0 if d["flex"] else M * (T + M))     # the SDPA path also holds a dense bool mask
     copies = 0 if d["fp32"] else drafter_linear_params(s, L, K) * BF16
-    if cfg.get("DRAFTER_FP8") and not d["fp32"]:
+    if cfg.DRAFTER_FP8 and not d["fp32"]:
         # the converted layers' weights are cast to e4m3 instead (model.fp8.convert_drafter; fc stays bf16): counted
         # at 1 byte per weight, 0.90 GiB less at Qwen3-8B shapes with 5 layers, where the H200 measured 1.11-1.14
         # GiB less with rowwise_with_gw_hp; rowwise and tensorwise also save the activations in e4m3 (measured
@@ -237,11 +237,11 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     ]
     extra = d["arch_extra"]
     if extra["acts"] or extra["loss_fp32"] or extra["loss_bf16"]:   # the arch's own (model/drafters.py ARCHS)
-        terms += [_term(f"{cfg['DRAFTER_ARCH']}: its layers' extra activations (block-local convolutions)",
+        terms += [_term(f"{cfg.DRAFTER_ARCH}: its layers' extra activations (block-local convolutions)",
                         "arch acts", act * extra["acts"] * BF16, fwd, "MAX_ANCHORS"),
-                  _term(f"{cfg['DRAFTER_ARCH']}: its loss's extra temporaries (selector candidates)", "arch loss",
+                  _term(f"{cfg.DRAFTER_ARCH}: its loss's extra temporaries (selector candidates)", "arch loss",
                         extra["loss_fp32"] * FP32 + extra["loss_bf16"] * BF16, fwd, "MAX_ANCHORS")]
-    if cfg.get("HEAD_FP8"):   # model.fp8.HeadFP8: W twice in e4m3, and each chunk's dL/dlogits quantised once more
+    if cfg.HEAD_FP8:   # model.fp8.HeadFP8: W twice in e4m3, and each chunk's dL/dlogits quantised once more
         terms += [_term(f"HEAD_FP8: the lm_head [{s.V}, {s.H}] twice in e4m3", "head fp8", 2 * s.V * s.H, "static"),
                   _term(f"HEAD_FP8: a chunk's dL/dlogits [{d['ce_rows']}, {s.V}] in e4m3", "CE chunk fp8",
                         d["ce_rows"] * s.V, fwd, "CE_CHUNK")]
@@ -254,15 +254,15 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
                   f"layers", "gathered", (root + units * layer) * w, fwd + bwd),
             _term(f"unsharded fp32 gradients before their reduce-scatter: the root and {units} layers",
                   "unsharded grads", (root + units * layer) * FP32, bwd)]
-        if cfg.get("GRAD_ACCUM", 1) > 1:   # no sync until the last micro-batch: FSDP2 holds them whole, in fp32
-            terms.append(_term(f"unsharded fp32 gradients held across GRAD_ACCUM={cfg['GRAD_ACCUM']} micro-batches",
+        if cfg.GRAD_ACCUM > 1:   # no sync until the last micro-batch: FSDP2 holds them whole, in fp32
+            terms.append(_term(f"unsharded fp32 gradients held across GRAD_ACCUM={cfg.GRAD_ACCUM} micro-batches",
                                "accumulated grads", P * FP32, fwd + bwd))
     if not frozen_shared:
         n = 1 if s.tied else 2
         terms.insert(2, _term(f"frozen embedding{'' if s.tied else ' + lm_head'} [{s.V}, {s.H}] bf16", "frozen io",
                               n * s.V * s.H * BF16, "static"))
-    if cfg.get("EVAL_EVERY"):   # the master drafter's tau evaluation loads its own HF target, freed afterwards
-        eval_dtype = str(cfg.get("EVAL_DTYPE", "float32"))
+    if cfg.EVAL_EVERY:   # the master drafter's tau evaluation loads its own HF target, freed afterwards
+        eval_dtype = str(cfg.EVAL_DTYPE)
         terms.append(_term(f"evaluation target ({eval_dtype}, EVAL_EVERY; while it runs the training activations are "
                            f"freed)", "eval target", d["target_params"] * (FP32 if eval_dtype == "float32" else BF16),
                            (prefix + "evaluation",)))
@@ -288,39 +288,39 @@ def usable_bytes(gpu_mem_bytes) -> int:
     return int(gpu_mem_bytes * (1 - FRAGMENTATION) - CUDA_CONTEXT)
 
 
-def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -> dict:
+def estimate(cfg, target_hf_config, world_gpus: int, gpu_mem_bytes=None, max_len=None) -> dict:
     """Peak memory per role (bytes, what torch.cuda.max_memory_allocated would report) for train_dflash's config
     `cfg` on `world_gpus` GPUs: roles "target" and "drafter", or "target+drafter" on one GPU (colocated).
     Worst case per micro-batch: TOKEN_BUDGET real tokens, MAX_ANCHORS anchors, B-1 supervised slots each.
-    cfg may carry MAX_LEN (the dataset's longest sequence) to bound the target's attention mask."""
+    max_len (the dataset's longest sequence), if given, bounds the target's attention mask."""
     s = model_sizes(target_hf_config)
     ids = layer_ids_of(cfg, s.n_layers)
-    L, K, B, N = cfg["NUM_DRAFT_LAYERS"], len(ids), cfg["BLOCK_SIZE"], cfg["MAX_ANCHORS"]
-    T = cfg["TOKEN_BUDGET"]
+    L, K, B, N = cfg.NUM_DRAFT_LAYERS, len(ids), cfg.BLOCK_SIZE, cfg.MAX_ANCHORS
+    T = cfg.TOKEN_BUDGET
     colocated = world_gpus <= 1
-    n_tgt = 1 if colocated else cfg["TARGET_RANKS"]
+    n_tgt = 1 if colocated else cfg.TARGET_RANKS
     n_dft = 1 if colocated else world_gpus - n_tgt
-    dtype = str(cfg.get("DTYPE", "auto"))
+    dtype = str(cfg.DTYPE)
     R = N * (B - 1)
-    ce_rows = min(cfg["CE_CHUNK"] or R, R)
-    arch_extra = ARCHS[cfg.get("DRAFTER_ARCH", "dflash")].drafter.memory_terms(s.H, s.V, L, N * B, R, ce_rows, cfg)
+    ce_rows = min(cfg.CE_CHUNK or R, R)
+    arch_extra = ARCHS[cfg.DRAFTER_ARCH].drafter.memory_terms(s.H, s.V, L, N * B, R, ce_rows, cfg)
     d = dict(L=L, K=K, B=B, N=N, M=N * B, R=R, tokens=T, layer_ids=ids, last_layer=max(ids),
-             max_len=min(T, cfg.get("MAX_LEN") or T), ce_rows=ce_rows, arch_extra=arch_extra,
+             max_len=min(T, max_len or T), ce_rows=ce_rows, arch_extra=arch_extra,
              feature_bytes=T * K * s.H * BF16, drafter_params=drafter_params(s, L, K) + arch_extra["params"],
              target_params=s.V * s.H * (1 if s.tied else 2) + s.n_layers * target_layer_params(s) + s.H,
              fp32=dtype == "float32", act_scale=FP32_ACT_SCALE if dtype == "float32" else 1.0,
-             layer_act_scale=DFT_COMPILED_LAYER_SCALE if cfg.get("COMPILE_DRAFTER") == "layers" else 1.0,
-             flex=str(cfg.get("ATTN", "auto")) != "sdpa", n_targets=n_tgt, n_drafters=n_dft,
-             fsdp=not colocated and cfg.get("DRAFTER_SHARDING", "ddp") == "fsdp",
+             layer_act_scale=DFT_COMPILED_LAYER_SCALE if cfg.COMPILE_DRAFTER == "layers" else 1.0,
+             flex=str(cfg.ATTN) != "sdpa", n_targets=n_tgt, n_drafters=n_dft,
+             fsdp=not colocated and cfg.DRAFTER_SHARDING == "fsdp",
              # the planner plans GPU runs: a chunked CE in bf16 there runs model/ce_kernel.py (CE_CHUNK=0 is the
              # unchunked fp32 reference)
-             fused_ce=dtype != "float32" and bool(cfg["CE_CHUNK"]),
-             inflight=0 if colocated else cfg["SEND_DEPTH"] + 1,
-             shards=1 if colocated else cfg.get("TARGET_SHARDS", 1), target_fp8=bool(cfg.get("TARGET_FP8")),
+             fused_ce=dtype != "float32" and bool(cfg.CE_CHUNK),
+             inflight=0 if colocated else cfg.SEND_DEPTH + 1,
+             shards=1 if colocated else cfg.TARGET_SHARDS, target_fp8=bool(cfg.TARGET_FP8),
              # one process: the feeder's queue holds Q_HS prepared micro-batches too, full when the target outpaces
              # the drafter (many anchors per token)
              # one process with COMPILE_TARGET: pipe.TargetAhead hands the prepare thread at most AHEAD + 1 of them
-             queue_items=(ONE_PROCESS_AHEAD + 1 if colocated and cfg.get("COMPILE_TARGET") else cfg["Q_HS"])
+             queue_items=(ONE_PROCESS_AHEAD + 1 if colocated and cfg.COMPILE_TARGET else cfg.Q_HS)
              + DFT_QUEUE_EXTRA)
     if colocated:
         roles = {"target+drafter": _role(_target_terms(s, d, "target ")
@@ -332,23 +332,25 @@ def estimate(cfg: dict, target_hf_config, world_gpus: int, gpu_mem_bytes=None) -
             r["fits"] = r["total"] <= usable_bytes(gpu_mem_bytes)
     return {"roles": roles, "derived": d, "world_gpus": world_gpus, "gpu_mem_bytes": gpu_mem_bytes,
             "split": (n_tgt, n_dft), "colocated": colocated,
-            "_inputs": (dict(cfg), target_hf_config, world_gpus)}
+            "_inputs": (cfg, target_hf_config, world_gpus, max_len)}
 
 
 # --- checks and the split -------------------------------------------------------------------------------------------
 
-def estimate_role(cfg, hf, world, role_name, overrides) -> int:
-    return estimate({**cfg, **overrides}, hf, world)["roles"][role_name]["total"]
+def estimate_role(inputs, role_name, overrides, world=None) -> int:
+    """`role_name`'s peak for the estimate's inputs with `overrides` (settings) on `world` GPUs (default: its own)."""
+    cfg, hf, own_world, max_len = inputs
+    return estimate(cfg.replace(**overrides), hf, world or own_world, max_len=max_len)["roles"][role_name]["total"]
 
 
 def _largest_fitting(knob, role_name, inputs, usable):
     """The largest value of `knob` (others fixed) at which the role fits, or None if even the smallest does not."""
-    cfg, hf, world = inputs
+    cfg, _, world, _ = inputs
     step, lo = KNOBS[knob]
-    cur = cfg[knob] if not (knob == "CE_CHUNK" and cfg[knob] == 0) else cfg["MAX_ANCHORS"] * (cfg["BLOCK_SIZE"] - 1)
+    cur = getattr(cfg, knob) or (cfg.MAX_ANCHORS * (cfg.BLOCK_SIZE - 1) if knob == "CE_CHUNK" else 0)
 
     def fits(v):
-        return estimate_role(cfg, hf, world, role_name, {knob: v}) <= usable
+        return estimate_role(inputs, role_name, {knob: v}) <= usable
     if cur <= lo or not fits(lo):
         return None
     good, bad = lo, cur                     # fits(good), not fits(bad)
@@ -360,48 +362,48 @@ def _largest_fitting(knob, role_name, inputs, usable):
 
 def _all_knobs_fitting(role_name, knobs, inputs, usable):
     """All `knobs` scaled down by one common factor: the values at the largest factor that fits, or {}."""
-    cfg, hf, world = inputs
+    cfg, _, world, _ = inputs
     knobs = sorted(set(knobs))
 
     def scaled(f):
         out = {}
         for k in knobs:
             step, lo = KNOBS[k]
-            cur = cfg[k] or cfg["MAX_ANCHORS"] * (cfg["BLOCK_SIZE"] - 1)      # CE_CHUNK=0: all rows at once
+            cur = getattr(cfg, k) or cfg.MAX_ANCHORS * (cfg.BLOCK_SIZE - 1)      # CE_CHUNK=0: all rows at once
             v = int(cur * f)
             out[k] = max(lo, v // step * step if v >= step else v)
         return out
 
     def fits(f):
-        return estimate_role(cfg, hf, world, role_name, scaled(f)) <= usable
+        return estimate_role(inputs, role_name, scaled(f)) <= usable
     if not fits(0.0):
         return {}
     good, bad = 0.0, 1.0
     for _ in range(20):
         mid = (good + bad) / 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return {k: v for k, v in scaled(good).items() if v < cfg[k] or (k == "CE_CHUNK" and cfg[k] == 0)}
+    return {k: v for k, v in scaled(good).items() if v < getattr(cfg, k) or (k == "CE_CHUNK" and getattr(cfg, k) == 0)}
 
 
 def _shards_fitting(inputs, usable):
     """The fewest ranks per target replica (TARGET_SHARDS, at most world - 1: one GPU trains) at which the target
     role fits, or None."""
-    cfg, hf, world = inputs
-    return next((n for n in range(max(2, cfg.get("TARGET_SHARDS", 1) + 1), world)
-                 if estimate_role(cfg, hf, world, "target", {"TARGET_SHARDS": n}) <= usable), None)
+    cfg, _, world, _ = inputs
+    return next((n for n in range(max(2, cfg.TARGET_SHARDS + 1), world)
+                 if estimate_role(inputs, "target", {"TARGET_SHARDS": n}) <= usable), None)
 
 
 def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
     """One error line per role whose peak does not fit `gpu_mem` bytes, naming the settings that would fix it."""
     errors = []
     usable = usable_bytes(gpu_mem)
-    cfg, hf, world = estimate["_inputs"]
-    if world > 1 and not 1 <= cfg["TARGET_RANKS"] < world:
-        errors.append(f"TARGET_RANKS={cfg['TARGET_RANKS']} must be between 1 and {world - 1} on {world} GPUs")
+    cfg, _, world, _ = estimate["_inputs"]
+    if world > 1 and not 1 <= cfg.TARGET_RANKS < world:
+        errors.append(f"TARGET_RANKS={cfg.TARGET_RANKS} must be between 1 and {world - 1} on {world} GPUs")
         return errors
-    shards = cfg.get("TARGET_SHARDS", 1)
-    if world > 1 and cfg["TARGET_RANKS"] % shards:
-        errors.append(f"TARGET_RANKS={cfg['TARGET_RANKS']} must be a multiple of TARGET_SHARDS={shards}")
+    shards = cfg.TARGET_SHARDS
+    if world > 1 and cfg.TARGET_RANKS % shards:
+        errors.append(f"TARGET_RANKS={cfg.TARGET_RANKS} must be a multiple of TARGET_SHARDS={shards}")
         return errors
     for name, r in estimate["roles"].items():
         if r["total"] <= usable:
@@ -413,27 +415,27 @@ def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
         knobs = sorted({t["knob"] for t in r["terms"] if t["knob"]},
                        key=lambda k: -sum(t["bytes"] for t in r["terms"] if t["knob"] == k))
         smallest = {k: KNOBS[k][1] for k in knobs}
-        floor = estimate_role(cfg, hf, world, name, smallest)
+        floor = estimate_role(estimate["_inputs"], name, smallest)
         fixes = []
         for k in knobs:
             v = _largest_fitting(k, name, estimate["_inputs"], usable)
             if v is not None:
-                now = cfg[k] if cfg[k] or k != "CE_CHUNK" else "0 (unchunked)"
+                now = getattr(cfg, k) if getattr(cfg, k) or k != "CE_CHUNK" else "0 (unchunked)"
                 fixes.append(f"lower {k} (now {now}) to <= {v}")
         if estimate["colocated"]:
             fixes.append("run on 2+ GPUs (TARGET_RANKS puts target and drafter on separate GPUs)")
         n = _shards_fitting(estimate["_inputs"], usable) if name == "target" else None
         if n:   # the target does not fit one GPU: spread each replica over n of them
-            ranks = -(-cfg["TARGET_RANKS"] // n) * n
+            ranks = -(-cfg.TARGET_RANKS // n) * n
             fixes.insert(0, f"raise TARGET_SHARDS (now {shards}) to {n}, each replica of the target spread over {n} "
                             f"GPUs (TARGET_RANKS a multiple of it: {ranks if ranks < world else n}; on several nodes "
                             f"keep a replica inside one)")
             floor = min(floor, usable)
-        shard = _fsdp_fit(cfg, hf, world, usable) if name == "drafter" and \
-            cfg.get("DRAFTER_SHARDING", "ddp") != "fsdp" else None
+        shard = _fsdp_fit(estimate["_inputs"], usable) if name == "drafter" and \
+            cfg.DRAFTER_SHARDING != "fsdp" else None
         if shard:
             n, need = shard
-            ranks = f"its {n} drafter ranks" if n == world - cfg["TARGET_RANKS"] else f">= {n} drafter ranks"
+            ranks = f"its {n} drafter ranks" if n == world - cfg.TARGET_RANKS else f">= {n} drafter ranks"
             shard = f"set DRAFTER_SHARDING=fsdp ({need / GiB:.1f} GiB per rank on {ranks})"
         if shard and floor > usable:
             errors.append(f"{head}: even at the smallest {', '.join(knobs)} it needs {floor / GiB:.1f} GiB with "
@@ -447,17 +449,17 @@ def check_fits(estimate: dict, gpu_mem: int) -> list[str]:
             errors.append(f"{head}: " + ", or ".join(fixes) + why)
         else:
             together = _all_knobs_fitting(name, knobs, estimate["_inputs"], usable)
-            fix = ", ".join(f"{k} (now {cfg[k]}) to <= {v}" for k, v in together.items())
+            fix = ", ".join(f"{k} (now {getattr(cfg, k)}) to <= {v}" for k, v in together.items())
             errors.append(f"{head}: no single setting fixes it; lower together {fix}{why}")
     return errors
 
 
-def _fsdp_fit(cfg, hf, world, usable, most=256):
+def _fsdp_fit(inputs, usable, most=256):
     """The fewest drafter ranks, this run's or more (up to `most`), on which the drafter role fits with
     DRAFTER_SHARDING=fsdp: (ranks, peak bytes per rank), or None."""
-    fsdp = {**cfg, "DRAFTER_SHARDING": "fsdp"}
-    for n in range(max(1, world - cfg["TARGET_RANKS"]), most + 1):
-        need = estimate_role(fsdp, hf, cfg["TARGET_RANKS"] + n, "drafter", {})
+    cfg, _, world, _ = inputs
+    for n in range(max(1, world - cfg.TARGET_RANKS), most + 1):
+        need = estimate_role(inputs, "drafter", {"DRAFTER_SHARDING": "fsdp"}, world=cfg.TARGET_RANKS + n)
         if need <= usable:
             return n, need
     return None

@@ -147,10 +147,10 @@ class Dist:
 
 # --- before any model loads: settings from the target's config, the data, where to start ------------------------
 
-def drafter_config(c, d, config):
+def drafter_config(c, d):
     """What needs the target's config and tokenizer (no weights yet): the data's tokenizer check, the evaluation's
-    prompts, the MASK id, the DrafterConfig. Fills MASK_TOKEN_ID and TARGET_LAYER_IDS into config.
-    -> (dcfg, hf_cfg, eval_setup or None)."""
+    prompts, the MASK id, the DrafterConfig. -> (the settings with MASK_TOKEN_ID and TARGET_LAYER_IDS filled in,
+    dcfg, hf_cfg, eval_setup or None)."""
     hf_cfg = AutoConfig.from_pretrained(c.TARGET, local_files_only=True).get_text_config()
     try:
         tok = AutoTokenizer.from_pretrained(c.TARGET, local_files_only=True)
@@ -181,11 +181,11 @@ def drafter_config(c, d, config):
                                     selector_top_k=c.SELECTOR_TOP_K)
     except AssertionError as e:
         sys.exit(f"error: drafter config: {e}")
-    config.update(MASK_TOKEN_ID=mask_id, TARGET_LAYER_IDS=",".join(map(str, dcfg.target_layer_ids)))
-    return dcfg, hf_cfg, eval_setup
+    c = c.replace(MASK_TOKEN_ID=mask_id, TARGET_LAYER_IDS=",".join(map(str, dcfg.target_layer_ids)))
+    return c, dcfg, hf_cfg, eval_setup
 
 
-def load_data(c, d, config, hf_cfg, watchdog):
+def load_data(c, d, hf_cfg, watchdog):
     """The dataset and its batch plan; on a GPU also the memory plan per role, refusing what cannot fit."""
     with Phase(d, "load data", watchdog):
         try:
@@ -194,7 +194,7 @@ def load_data(c, d, config, hf_cfg, watchdog):
             sys.exit(f"error: {e}")
     if d.device.type == "cuda":
         gpu_mem = torch.cuda.get_device_properties(d.device).total_memory
-        mplan = planner.estimate({**config, "MAX_LEN": int(max(data.plan.lengths))}, hf_cfg, d.world, gpu_mem)
+        mplan = planner.estimate(c, hf_cfg, d.world, gpu_mem, max_len=int(max(data.plan.lengths)))
         if d.is_master:
             log(planner.format_plan(mplan))
         d.mem_estimate = mplan["roles"][d.role]["total"]                  # read back by log_peak_memory
@@ -234,15 +234,15 @@ def choose_resume(c, d, watchdog, out_dir, ck_root):
     return resume_path
 
 
-def resume(d, watchdog, resume_path, config, data, dcfg, fingerprint) -> ckpt.ResumePoint:
+def resume(c, d, watchdog, resume_path, data, dcfg, fingerprint) -> ckpt.ResumePoint:
     """Where this run starts: the checkpoint's point (checkpoint.resume_point), after refusing a checkpoint trained
     for another drafter shape or target."""
     meta = ckpt.read_meta(resume_path) if resume_path else None
     if meta:
         errs = ckpt.resume_mismatches(meta, dcfg, fingerprint)
         was = meta["config"].get("DRAFTER_ARCH", "dflash")   # checkpoints before DFlash2 were all DFlash
-        if was != config["DRAFTER_ARCH"]:
-            errs.insert(0, f"DRAFTER_ARCH: the checkpoint trained a {was} drafter, this run {config['DRAFTER_ARCH']} "
+        if was != c.DRAFTER_ARCH:
+            errs.insert(0, f"DRAFTER_ARCH: the checkpoint trained a {was} drafter, this run {c.DRAFTER_ARCH} "
                            f"(to turn a DFlash drafter into a DFlash2 one, pass its export as INIT_FROM in a new "
                            f"OUT_DIR)")
         if errs:
@@ -255,7 +255,7 @@ def resume(d, watchdog, resume_path, config, data, dcfg, fingerprint) -> ckpt.Re
         elif d.is_master and meta["target"]["path"] != fingerprint["path"]:
             log(f"NOTE: TARGET moved since the checkpoint ({meta['target']['path']} -> {fingerprint['path']}); "
                 f"same config and weights")
-    rp = ckpt.resume_point(meta, data, config)
+    rp = ckpt.resume_point(meta, data, c)
     if d.is_master:
         for note in rp.notes:
             log(note)
@@ -311,7 +311,7 @@ def run_target(c, d, data, sched, target, watchdog):
 
 # --- a drafter rank (or the one process) ------------------------------------------------------------------------
 
-def build_drafter(c, d, dcfg, target, resume_path, watchdog, step_cfg):
+def build_drafter(c, d, dcfg, target, resume_path, watchdog):
     """fp32 master weights (from the checkpoint, INIT_FROM or SEED), the frozen embedding / lm_head, the optimizer;
     compiled, and wrapped in DDP or sharded with FSDP2 (DRAFTER_SHARDING) as configured.
     -> (drafter, model, opt, embed, head_w)."""
@@ -357,7 +357,7 @@ def build_drafter(c, d, dcfg, target, resume_path, watchdog, step_cfg):
         set_flex_kernel_options(json.loads(c.FLEX_OPTIONS) if c.FLEX_OPTIONS else None)
         with Phase(d, "compile flex_attention (main thread, before worker threads)", watchdog):
             warmup_flex_attention(d.device, d.dtype, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                                  dcfg.head_dim, dcfg.block_size, mask_lengths(dcfg, d.device, d.flex, step_cfg))
+                                  dcfg.head_dim, dcfg.block_size, mask_lengths(dcfg, d.device, d.flex, c))
     return drafter, model, opt, embed, head_w
 
 
@@ -403,13 +403,13 @@ def restore_drafter(c, d, dcfg, resume_path, drafter, opt) -> None:
     ckpt.restore_rng(state)
 
 
-def start_feed(c, d, data, sched, target, dcfg, watchdog, pre_stats, step_cfg):
+def start_feed(c, d, data, sched, target, dcfg, watchdog, pre_stats):
     """The drafter side's Prefetcher: prepared micro-batches Q_HS ahead, from the network (a drafter rank) or from the
     target forward (the one process; its q_pre depth goes to pre_stats). The one process runs an eager target on
     the feeder thread, which launches its kernels beside the main thread's (a small target is launch-bound), and a
     compiled one on the main thread a micro-batch ahead (TargetAhead: compiled code must not run on one thread while
     another compiles)."""
-    prep = make_prepare(dcfg, d.device, d.flex, step_cfg)
+    prep = make_prepare(dcfg, d.device, d.flex, c)
     if d.colocated:
         packets = produce(data, sched.target_gs(0), target, d.device, c.Q_PREFETCH, stats=pre_stats)
         if c.COMPILE_TARGET:

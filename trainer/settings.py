@@ -39,6 +39,16 @@ class Settings(SimpleNamespace):
     def __delattr__(self, name):
         raise AttributeError(f"the settings are frozen: {name} stays")
 
+    def replace(self, **changes) -> "Settings":
+        """A copy with `changes` (names it already has): the run's values filled in from the target, a bench's shape."""
+        unknown = set(changes) - set(vars(self))
+        assert not unknown, f"not settings: {sorted(unknown)}"
+        return Settings(**{**vars(self), **changes})
+
+    def as_dict(self) -> dict:
+        """{NAME: value}: the JSON snapshot in run.json, every checkpoint's meta and the W&B run's config."""
+        return dict(vars(self))
+
 
 # --- overrides and --help -------------------------------------------------------------------------------------------
 

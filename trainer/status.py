@@ -42,7 +42,7 @@ class Phase:
 def log_plan(d, c, given, data, sched, dcfg, step, total_steps, resume_path, init_notes):
     """The master's start-up summary: the final settings c (in every log), the data, the split and the schedule,
     where the run starts, and notes on settings given (`given`: on the command line) that this run does not use."""
-    log("config: " + " ".join(f"{k}={v}" for k, v in c.items()))
+    log("config: " + " ".join(f"{k}={v}" for k, v in c.as_dict().items()))
     ps = data.plan.stats()
     log(f"data: {data.num_rows:,} rows, {len(data.rows):,} trainable"
         + (f" (dropped {data.dropped})" if data.dropped else "")
@@ -50,21 +50,21 @@ def log_plan(d, c, given, data, sched, dcfg, step, total_steps, resume_path, ini
           f"padding waste {ps['padding_waste']:.1%})")
     replicas = f" ({d.n_replicas} target replica{'s' if d.n_replicas > 1 else ''} x TARGET_SHARDS={d.shards}, " \
         f"each rank forwarding its own micro-batches)" if d.shards > 1 else ""
-    log(f"plan: {d.n_targets} target : {d.n_drafters} drafter ranks{replicas} x GRAD_ACCUM={c['GRAD_ACCUM']} => "
+    log(f"plan: {d.n_targets} target : {d.n_drafters} drafter ranks{replicas} x GRAD_ACCUM={c.GRAD_ACCUM} => "
         f"{sched.per_step} micro-batches/step; {total_steps:,} steps ({sched.total_g:,} micro-batches, "
         f"{sched.total_g / data.plan.num_batches:.2f} epochs); drafter L={dcfg.num_hidden_layers} "
         f"taps={dcfg.target_layer_ids} B={dcfg.block_size} mask_token_id={dcfg.mask_token_id}")
     if resume_path:
         log(f"RESUMING from step {step} of {resume_path} (micro-batch {sched.g0}, "
             f"epoch~{sched.g0 / data.plan.num_batches:.2f})")
-        if c["INIT_FROM"]:
-            log(f"NOTE: INIT_FROM={c['INIT_FROM']} is ignored: a checkpoint to resume wins (RESUME={c['RESUME']}); "
+        if c.INIT_FROM:
+            log(f"NOTE: INIT_FROM={c.INIT_FROM} is ignored: a checkpoint to resume wins (RESUME={c.RESUME}); "
                 f"use another OUT_DIR to start over from INIT_FROM")
-    elif c["INIT_FROM"]:
+    elif c.INIT_FROM:
         for note in init_notes:
             log(note)
-    if "GAMMA" in given and c["LOSS_WEIGHTING"] == "dpace":
-        log(f"NOTE: GAMMA={c['GAMMA']} is not used: LOSS_WEIGHTING=dpace weighs a block's slots by the drafter's own "
+    if "GAMMA" in given and c.LOSS_WEIGHTING == "dpace":
+        log(f"NOTE: GAMMA={c.GAMMA} is not used: LOSS_WEIGHTING=dpace weighs a block's slots by the drafter's own "
             f"confidence (DPACE_ALPHA is its setting); GAMMA is the decay of LOSS_WEIGHTING=exp")
 
 
@@ -88,12 +88,12 @@ def status_line(run, meter, params, lr, now):
     """The metrics since the last line, all-reduced over the drafters (every drafter calls this at the same step),
     then on the master one line and one metrics.jsonl row. Also checks that DDP kept the drafters identical (FSDP2's
     ranks hold different shards: ddp_weight_spread is null)."""
-    d, step, c = run.d, run.step, run.config
+    d, step, c = run.d, run.step, run.c
     red = meter.sums.clone()
-    spread = 0.0 if c["DRAFTER_SHARDING"] == "ddp" else None
+    spread = 0.0 if c.DRAFTER_SHARDING == "ddp" else None
     if d.n_drafters > 1:
         dist.all_reduce(red, group=d.drafters)
-    if d.n_drafters > 1 and c["DRAFTER_SHARDING"] == "ddp":
+    if d.n_drafters > 1 and c.DRAFTER_SHARDING == "ddp":
         # DDP keeps drafters bitwise identical; check it where we sync anyway
         run.opt.wait_all()
         cs = torch.stack([p.detach().double().sum() for p in params]).sum()
@@ -120,7 +120,7 @@ def status_line(run, meter, params, lr, now):
         tok_rate = meter.tokens * d.n_drafters / dt
         eta = (run.total_steps - step) * dt / max(1, step - meter.step_at_log)
         epoch = run.g_at(step) / run.data.plan.num_batches
-        noise_std = c["NOISE"] / math.sqrt(3)
+        noise_std = c.NOISE / math.sqrt(3)
         row = {"time": now, "elapsed_s": now - meter.t_start, "step": step, "total_steps": run.total_steps,
                "loss": s.loss / max(s.loss_w, 1e-12), "objective": s.objective / max(s.objective_w, 1e-12),
                "acc": s.acc_num / max(s.acc_den, 1), "streak": s.streak_num / max(s.streak_den, 1),
@@ -131,9 +131,9 @@ def status_line(run, meter, params, lr, now):
             row.update(sel_recall=s.sel_recall_num / s.sel_den, sel_acc=s.sel_tf_acc_num / s.sel_den,
                        sel_streak=s.path_streak_num / max(s.path_streak_den, 1))
         if not meter.split_reported:
-            meter.split_reported = report_split(peers, d, row, c["TOKEN_BUDGET"])
+            meter.split_reported = report_split(peers, d, row, c.TOKEN_BUDGET)
             # enough work for this rank's clock to count (past its skipped first units), so the wait can succeed
-            enough = meter.run_tokens >= split_min_tokens(c["TOKEN_BUDGET"]) + BusyClock.SKIP * c["TOKEN_BUDGET"]
+            enough = meter.run_tokens >= split_min_tokens(c.TOKEN_BUDGET) + BusyClock.SKIP * c.TOKEN_BUDGET
             if not meter.split_reported and step == run.total_steps and enough and run.watchdog:
                 # a run shorter than a few heartbeats: the peers' busy clocks arrive with their next beats. A pause:
                 # this wait makes no progress, and a short STALL_TIMEOUT must not take it for a stall
@@ -141,10 +141,10 @@ def status_line(run, meter, params, lr, now):
                     end = time.monotonic() + 3 * run.watchdog.interval
                     while not meter.split_reported and time.monotonic() < end:
                         time.sleep(0.2)
-                        meter.split_reported = report_split(run.watchdog.peer_states(), d, row, c["TOKEN_BUDGET"])
+                        meter.split_reported = report_split(run.watchdog.peer_states(), d, row, c.TOKEN_BUDGET)
         run.metrics.write(row)
         tau = f" tau={run.last_eval['tau']:.2f}" if run.last_eval else ""
-        dpace = f" dpace={row['objective']:.3f}" if c["LOSS_WEIGHTING"] == "dpace" else ""
+        dpace = f" dpace={row['objective']:.3f}" if c.LOSS_WEIGHTING == "dpace" else ""
         sel = f" sel_recall={row['sel_recall']:.3f} sel_acc={row['sel_acc']:.3f} sel_streak={row['sel_streak']:.2f}" \
             if s.sel_den else ""
         log(f"[{(now - meter.t_start) / 60:.0f}m] step={step}/{run.total_steps} loss={row['loss']:.3f}{dpace} "
@@ -177,18 +177,18 @@ class Metrics:
     """metrics.jsonl (+ optional TensorBoard / W&B, check_trackers) on the master. The W&B run's id is kept in
     OUT_DIR/wandb_run_id.txt, so a resumed run continues the same W&B run."""
 
-    def __init__(self, out_dir, config):
+    def __init__(self, out_dir, c):
         self.f = open(out_dir / "metrics.jsonl", "a", buffering=1)
         self.tb = self.wandb = None
-        if config["TENSORBOARD"]:
+        if c.TENSORBOARD:
             from torch.utils.tensorboard import SummaryWriter   # optional package (check_trackers)
             self.tb = SummaryWriter(str(out_dir / "tb"))
-        if config["WANDB_PROJECT"]:
+        if c.WANDB_PROJECT:
             import wandb   # optional package (check_trackers)
             id_file = out_dir / WANDB_ID_FILE
             run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
             id_file.write_text(run_id + "\n")
-            self.wandb = wandb.init(project=config["WANDB_PROJECT"], config=config, dir=str(out_dir), id=run_id,
+            self.wandb = wandb.init(project=c.WANDB_PROJECT, config=c.as_dict(), dir=str(out_dir), id=run_id,
                                     resume="allow")
 
     def write(self, row):

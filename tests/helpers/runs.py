@@ -187,9 +187,7 @@ def finish(proc, timeout) -> tuple[int | None, str, float]:
         return None, head + out, time.time() - t
 
 
-def trainer_cfg(**kw) -> dict:
-    """train_dflash's constants as the trainer would pass them, plus overrides."""
+def trainer_cfg(**kw):
+    """train_dflash's constants as the trainer would pass them (a trainer.settings.Settings), plus overrides."""
     import train_dflash as td
-    cfg = {k: getattr(td, k) for k in td.CONFIG_KEYS}
-    cfg.update(kw)
-    return cfg
+    return td.defaults(**kw)

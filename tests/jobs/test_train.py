@@ -377,7 +377,8 @@ def test_wandb_run_id_is_kept_in_out_dir_and_reused_on_resume(tmp_path, monkeypa
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     out = tmp_path / "out"
     out.mkdir()
-    config = {"TENSORBOARD": False, "WANDB_PROJECT": "p"}
+    from trainer.settings import Settings
+    config = Settings(TENSORBOARD=False, WANDB_PROJECT="p")
     status.Metrics(out, config)
     assert (out / status.WANDB_ID_FILE).read_text().strip() == "fresh1"
     (out / status.WANDB_ID_FILE).write_text("kept7\n")     # a resume reads the id the first run wrote

@@ -61,7 +61,8 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     from model.objective import weighted_ce
     from model.target import load_frozen_io
     from trainer.pipe import Packet
-    from trainer.drafter_step import StepConfig, make_prepare
+    from trainer.drafter_step import make_prepare
+    from trainer.settings import Settings
     target, data = assets
     src = export(target, tmp_path / "drafter")
     out = tmp_path / "out"
@@ -76,8 +77,8 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     ids, mask, attn, lengths = Data(str(data), runs.VOCAB, config["TOKEN_BUDGET"], config["MAX_BATCH_SIZE"],
                                     config["SEED"]).batch(0)
     assert torch.equal(ids[attn.bool()], dump["input_ids"])
-    item = make_prepare(src.config, "cpu", False, StepConfig.of(config))(Packet(0, lengths, dump["input_ids"],
-                                                                              mask[attn.bool()], dump["features"]))
+    item = make_prepare(src.config, "cpu", False, Settings(**config))(Packet(0, lengths, dump["input_ids"],
+                                                                            mask[attn.bool()], dump["features"]))
     embed, head_w, _ = load_frozen_io(target, "cpu", torch.float32)
 
     def loss_of(drafter):

@@ -15,6 +15,7 @@ from model.fastdecode import FastDecoder
 from test_dflash2 import build_dflash2, randomize_dflash2  # noqa: F401 (a fixture)
 from test_walk import small_vocab  # noqa: F401 (a fixture)
 from trainer.optim import make_optimizer
+from trainer.settings import Settings
 
 B = 4
 
@@ -142,7 +143,7 @@ def test_a_resume_with_another_arch_is_refused(tiny_qwen3_dir):
     roles.fail, roles.ckpt.read_meta = fail, lambda p: meta
     try:
         with pytest.raises(Stop, match="DRAFTER_ARCH: the checkpoint trained a dflash drafter, this run dflash2"):
-            roles.resume(type("D", (), {"is_master": False})(), None, "ck", {"DRAFTER_ARCH": "dflash2"}, None,
+            roles.resume(Settings(DRAFTER_ARCH="dflash2"), type("D", (), {"is_master": False})(), None, "ck", None,
                          DFlash2Config.from_drafter(_cfg(tiny_qwen3_dir)), {})
     finally:
         roles.fail, roles.ckpt.read_meta = orig

@@ -7,14 +7,15 @@ import torch
 from transformers import Qwen3Config
 
 from conftest import TINY
+from runs import trainer_cfg
 from model.drafter import Drafter, DrafterConfig
 from model.objective import weighted_ce
-from trainer.drafter_step import StepConfig, StepSums, autocast_for, drafter_step, make_prepare
+from trainer.drafter_step import StepSums, autocast_for, drafter_step, make_prepare
 from trainer.pipe import Packet
 
 B = 4
-STEP = StepConfig(seed=0, max_anchors=8, min_anchors_per_doc=1, token_budget=64, gamma=7.0, loss_weighting="exp",
-                  dpace_alpha=0.5, noise=0.0, ce_chunk=5, grad_clip=1.0)
+STEP = trainer_cfg(SEED=0, MAX_ANCHORS=8, MIN_ANCHORS_PER_DOC=1, TOKEN_BUDGET=64, GAMMA=7.0, LOSS_WEIGHTING="exp",
+                   DPACE_ALPHA=0.5, NOISE=0.0, CE_CHUNK=5, GRAD_CLIP=1.0, SELECTOR_ALPHA=1.0)
 
 
 def micro_batch():
@@ -38,7 +39,7 @@ def micro_batch():
 def test_one_drafter_step_equals_the_unchunked_loss(weighting):
     drafter, embed, head_w, item = micro_batch()
     ref = copy.deepcopy(drafter)
-    s = StepConfig(**{**STEP.__dict__, "loss_weighting": weighting})
+    s = STEP.replace(LOSS_WEIGHTING=weighting)
     sums = drafter_step(drafter, embed, head_w, item, B, autocast_for(torch.device("cpu"), torch.float32), s)
 
     h = ref(item.features, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)      # [N*B, H]

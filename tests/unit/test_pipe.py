@@ -15,6 +15,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
+from trainer.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,14 +119,14 @@ def data(content_hash="a", num_batches=10, rows=40):
 
 META = {"next_g": 6, "step": 3, "planned_g": 30, "config": {"EPOCHS": 3, "MAX_STEPS": 0},
         "data": {"content_hash": "a", "num_batches": 10, "rows": 40}}
-CFG = {"EPOCHS": 3, "MAX_STEPS": 0, "ALLOW_DATA_CHANGE": False}
+CFG = Settings(EPOCHS=3, MAX_STEPS=0, ALLOW_DATA_CHANGE=False)
 
 
 def test_resume_point_continues_where_the_checkpoint_stopped():
     assert ckpt.resume_point(None, data(), CFG) == ckpt.ResumePoint()
     rp = ckpt.resume_point(META, data(), CFG)
     assert (rp.start_g, rp.step, rp.planned_g, rp.notes, rp.error) == (6, 3, 30, [], None)
-    rp = ckpt.resume_point(META, data(), {**CFG, "EPOCHS": 6})          # the schedule's length is re-planned
+    rp = ckpt.resume_point(META, data(), CFG.replace(EPOCHS=6))          # the schedule's length is re-planned
     assert (rp.start_g, rp.planned_g) == (6, None) and "re-planned" in rp.notes[0]
 
 
@@ -134,7 +135,7 @@ def test_resume_point_moves_to_the_same_fraction_when_batching_or_data_change():
     assert (rp.start_g, rp.planned_g, rp.error) == (12, None, None) and "batching changed" in rp.notes[0]
     rp = ckpt.resume_point(META, data("b", num_batches=5), CFG)      # another dataset: refused ...
     assert "dataset changed" in rp.error and "ALLOW_DATA_CHANGE" in rp.error
-    rp = ckpt.resume_point(META, data("b", num_batches=5), {**CFG, "ALLOW_DATA_CHANGE": True})   # ... unless allowed
+    rp = ckpt.resume_point(META, data("b", num_batches=5), CFG.replace(ALLOW_DATA_CHANGE=True))   # ... unless allowed
     assert (rp.start_g, rp.planned_g, rp.error) == (3, None, None) and rp.notes[0].startswith("WARNING: dataset")
 
 

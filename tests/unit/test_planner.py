@@ -190,8 +190,8 @@ def test_activation_terms_match_autograd_saved_bytes(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16), saved.hooks():
         d(feats, torch.arange(T), emb, (anchors[:, None] + torch.arange(B)).flatten(), attn)
     got = saved.totals()
-    est = planner.estimate(dict(NUM_DRAFT_LAYERS=L, TARGET_LAYER_IDS="0,1,2", BLOCK_SIZE=B, MAX_ANCHORS=N,
-                                TOKEN_BUDGET=T, CE_CHUNK=4096, TARGET_RANKS=1, SEND_DEPTH=2, Q_HS=8), hf, 2)
+    est = planner.estimate(trainer_cfg(NUM_DRAFT_LAYERS=L, TARGET_LAYER_IDS="0,1,2", BLOCK_SIZE=B, MAX_ANCHORS=N,
+                                       TOKEN_BUDGET=T, CE_CHUNK=4096, TARGET_RANKS=1, SEND_DEPTH=2, Q_HS=8), hf, 2)
     terms = {t["short"]: t["bytes"] for t in est["roles"]["drafter"]["terms"]}
     held = 4 * 96 * N * B                     # the fp32 output the loop holds is alive but not saved by autograd
     acts = terms["block acts"] + terms["kv acts"] + terms["ctx+out acts"] - held
@@ -240,7 +240,7 @@ def test_fsdp_shards_the_drafter_state_per_rank():
     cfg = bench_cfg(TOKEN_BUDGET=16384, TARGET_RANKS=8)
 
     def terms(sharding, drafters, **kw):
-        e = planner.estimate({**cfg, "DRAFTER_SHARDING": sharding, **kw}, hf, 8 + drafters)
+        e = planner.estimate(cfg.replace(DRAFTER_SHARDING=sharding, **kw), hf, 8 + drafters)
         return {t["short"]: t["bytes"] for t in e["roles"]["drafter"]["terms"]}, e
     ddp, e = terms("ddp", 8)
     P = e["derived"]["drafter_params"]
@@ -286,9 +286,8 @@ def test_target_fp8_stores_the_tapped_layers_linear_weights_in_e4m3():
     s = planner.model_sizes(hf)
 
     def role(**kw):
-        cfg = bench_cfg(MAX_LEN=3072, TOKEN_BUDGET=12288, MAX_ANCHORS=2048, COMPILE_TARGET=True,
-                        COMPILE_DRAFTER="layers", **kw)
-        e = planner.estimate(cfg, hf, 1)
+        cfg = bench_cfg(TOKEN_BUDGET=12288, MAX_ANCHORS=2048, COMPILE_TARGET=True, COMPILE_DRAFTER="layers", **kw)
+        e = planner.estimate(cfg, hf, 1, max_len=3072)
         return {t["short"]: t["bytes"] for t in e["roles"]["target+drafter"]["terms"]}, e
     bf16, e = role()
     fp8, e8 = role(TARGET_FP8=True)
@@ -310,14 +309,14 @@ def test_check_fits_recommends_fsdp_when_ddp_cannot_fit():
     err, = drafter_errs(cfg, 12, h100)
     assert "with every drafter rank holding all weights" in err and "set DRAFTER_SHARDING=fsdp (" in err \
         and "on its 4 drafter ranks" in err, err
-    assert drafter_errs({**cfg, "DRAFTER_SHARDING": "fsdp"}, 12, h100) == []
+    assert drafter_errs(cfg.replace(DRAFTER_SHARDING="fsdp"), 12, h100) == []
     # 141 GB: ddp misses by a little: fsdp first, the knobs after it
     err, = drafter_errs(cfg, 12, h200)
     assert err.split(": ", 1)[1].startswith("set DRAFTER_SHARDING=fsdp") and "or lower MAX_ANCHORS" in err, err
     # a GPU too small for 1/4 of the state: the fewest drafter ranks that fit are named
-    err, = drafter_errs({**cfg, "MAX_ANCHORS": 64, "Q_HS": 1}, 12, 40 * 10 ** 9)
+    err, = drafter_errs(cfg.replace(MAX_ANCHORS=64, Q_HS=1), 12, 40 * 10 ** 9)
     n = int(err.split("on >= ")[1].split(" drafter ranks")[0])
-    assert n > 4 and drafter_errs({**cfg, "MAX_ANCHORS": 64, "Q_HS": 1, "DRAFTER_SHARDING": "fsdp"}, 8 + n,
+    assert n > 4 and drafter_errs(cfg.replace(MAX_ANCHORS=64, Q_HS=1, DRAFTER_SHARDING="fsdp"), 8 + n,
                                   40 * 10 ** 9) == []
 
 
@@ -397,7 +396,7 @@ def test_estimate_within_10_percent_of_the_measured_peaks(what, gpus, role, cfg,
     """Compiled drafter layers save less than eager ones (DFT_COMPILED_LAYER_SCALE): without it the estimate was
     1.28x the measured peak at 2048 blocks; the one-process queue holds Q_HS + 2 micro-batches like a drafter
     rank's (it counted 1)."""
-    est = planner.estimate(bench_cfg(MAX_LEN=3072, **cfg), bd.hf_config("qwen3-8b"), gpus)["roles"][role]["total"]
+    est = planner.estimate(bench_cfg(**cfg), bd.hf_config("qwen3-8b"), gpus, max_len=3072)["roles"][role]["total"]
     assert 0.9 <= est / (gib * GiB) <= 1.1, f"{what}: estimate {est / GiB:.2f} GiB vs measured {gib} GiB"
 
 

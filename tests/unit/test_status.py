@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from trainer.drafter_step import StepSums
+from trainer.settings import Settings
 from trainer.status import Meter, fmt_eta, status_line
 
 
 def one_process_run(rows):
     d = SimpleNamespace(n_drafters=1, n_targets=1, world=1, colocated=True, is_master=True, shards=1)
-    return SimpleNamespace(d=d, step=10, total_steps=100, config={"DRAFTER_SHARDING": "ddp", "NOISE": 0.0,
-                                                                   "LOSS_WEIGHTING": "exp", "TOKEN_BUDGET": 64},
+    return SimpleNamespace(d=d, step=10, total_steps=100, c=Settings(DRAFTER_SHARDING="ddp", NOISE=0.0,
+                                                              LOSS_WEIGHTING="exp", TOKEN_BUDGET=64),
                            watchdog=None, pre_stats={"q": 3}, feed=SimpleNamespace(q=SimpleNamespace(qsize=lambda: 2)),
                            data=SimpleNamespace(plan=SimpleNamespace(num_batches=40)), g_at=lambda step: step,
                            last_eval={}, metrics=SimpleNamespace(write=rows.append))
