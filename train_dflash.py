@@ -168,26 +168,6 @@ def check_config(world: int) -> None:
 
 # --- main: the job's phases -------------------------------------------------------------------------------------------
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def main(argv):
     _, given = configure(argv)
     c = constants()   # frozen: every phase below reads the run's settings from it
