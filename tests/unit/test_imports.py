@@ -80,3 +80,11 @@ def test_the_project_imports_without_a_circle():
 def test_the_root_holds_only_the_programs():
     """`ls` shows where to start: the two programs are the root's only Python files."""
     assert {p.name for p in REPO.glob("*.py")} == PROGRAMS
+
+
+def test_test_files_have_unique_names_across_tiers():
+    """pytest imports test files by their base name (no packages under tests/): two tiers holding test_x.py make one
+    of them fail to collect, and which one depends on the xdist worker that gets both."""
+    from collections import Counter
+    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], sorted(n for n, c in names.items() if c > 1)

@@ -339,8 +339,10 @@ def test_two_paths_to_one_output_share_its_lock_and_duplicate_ids_are_refused(tm
         run(inp, out, server, "--max-new-tokens", "16")
     write_jsonl(inp, PROMPTS[:2])
     rows = out.read_bytes()
-    out.write_bytes(rows + rows.splitlines(keepends=True)[0])
-    with pytest.raises(SystemExit, match=r"holds 1 id\(s\) more than once \(e.g. 'a'\).*keep the first row"):
+    first = rows.splitlines(keepends=True)[0]   # 'a' or 'b': the rows are written in the order answers arrive
+    out.write_bytes(rows + first)
+    dup = json.loads(first)["id"]
+    with pytest.raises(SystemExit, match=rf"holds 1 id\(s\) more than once \(e.g. '{dup}'\).*keep the first row"):
         run(inp, out, server)
     assert out.read_bytes() == rows + rows.splitlines(keepends=True)[0]
 
