@@ -110,6 +110,6 @@ def selector_metrics(selector, hidden, lm_head_weight, item, block_size, sel: Se
                         ids)                                                                    # [N, B-1]
     ok = ((path == labels[:, 1:]) & (item.weights.view(N, B)[:, 1:] > 0)).float()
     return dict(sel_recall_num=sel.hit.sum().float(), sel_tf_acc_num=sel.correct.sum().float(),
-                sel_den=torch.tensor(float(rows.shape[0]), device=hidden.device),
+                sel_den=ok.new_full((), float(rows.shape[0])),   # a fill on the device, no host copy
                 path_streak_num=torch.cumprod(ok, dim=1).sum(),
-                path_streak_den=torch.tensor(float(N), device=hidden.device))
+                path_streak_den=ok.new_full((), float(N)))

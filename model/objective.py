@@ -344,5 +344,5 @@ def block_metrics(correct, weights):
         acc_num=ok.sum(),
         acc_den=sup[:, 1:].sum().float(),
         streak_num=torch.cumprod(ok, dim=1).sum(),
-        streak_den=torch.tensor(float(correct.shape[0]), device=correct.device),
+        streak_den=ok.new_full((), float(correct.shape[0])),   # a fill on the device, no host copy
     )
