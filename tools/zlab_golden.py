@@ -74,17 +74,22 @@ def tiny_drafter():
     return d
 
 
-def inputs(cfg) -> dict:
+def inputs(cfg, lm_head=False) -> dict:
+    """The packed documents, the target's features and the blocks' noise embeddings, drawn from seed 0 (what the
+    recorded fixtures hold). lm_head=True (tools/zlab_golden2.py) also draws a [V, H] lm_head, after the embedding
+    and before the ids, the order its fixture was recorded in."""
     g = torch.Generator().manual_seed(0)
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])                 # [T]
     pos = torch.cat([torch.arange(n) for n in LENGTHS])                                    # [T]
     anchor_idx = torch.tensor(ANCHORS)                                                      # [N]
     feats = torch.randn(len(doc), cfg.num_taps * cfg.hidden_size, generator=g)             # [T, K*H]
     emb = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.5                  # the target's, stand-in
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.5 if lm_head else None   # [V, H]
     ids = torch.randint(0, cfg.vocab_size - 1, (len(doc),), generator=g)
     block_ids = torch.full((len(ANCHORS), cfg.block_size), cfg.mask_token_id)
     block_ids[:, 0] = ids[anchor_idx]                                                       # [N, B]
-    return dict(feats=feats, doc=doc, pos=pos, anchor_idx=anchor_idx, noise=emb[block_ids])   # noise [N, B, H]
+    out = dict(feats=feats, doc=doc, pos=pos, anchor_idx=anchor_idx, noise=emb[block_ids])   # noise [N, B, H]
+    return out if not lm_head else dict(out, anchor_ids=block_ids[:, 0].clone(), lm_head=head)
 
 
 def main(argv=None):

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tools.zlab_golden import TARGET, load_reference, reference_source
+from tools.zlab_golden import ANCHORS, LENGTHS, TARGET, inputs, load_reference, reference_source
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "fixtures" / "zlab_golden_dflash2"
@@ -41,8 +41,6 @@ NUM_LAYERS, SLIDING_LAYERS, SLIDING_WINDOW = 3, 1, 5    # layers 0, 1 full; laye
 TAPS = [0, 1, 3]             # distinct target layers (the default spread of 3 over 4 layers is [1, 1, 1])
 BLOCK_SIZE, MASK_ID = 5, 63
 DFLASH2 = dict(conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=6)   # 4 groups of 8 channels
-LENGTHS = (14, 9, 11)                 # three packed documents
-ANCHORS = [3, 10, 13, 14, 19, 30]     # token indices: mid-document, a document's last token, a document's first
 
 
 # noise added to each parameter, by name: norms start at ones, base kernels at [1, 0, 0], the kernel projections
@@ -66,21 +64,6 @@ def tiny_dflash2():
             scale = next((v for s, v in NOISE.items() if s in k), NOISE_OTHER)
             p += scale * torch.randn_like(p)
     return d
-
-
-def inputs(cfg) -> dict:
-    g = torch.Generator().manual_seed(0)
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])                 # [T]
-    pos = torch.cat([torch.arange(n) for n in LENGTHS])                                    # [T]
-    anchor_idx = torch.tensor(ANCHORS)                                                      # [N]
-    feats = torch.randn(len(doc), cfg.num_taps * cfg.hidden_size, generator=g)             # [T, K*H]
-    emb = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.5                  # the target's, stand-in
-    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.5              # [V, H]
-    ids = torch.randint(0, cfg.vocab_size - 1, (len(doc),), generator=g)
-    block_ids = torch.full((len(ANCHORS), cfg.block_size), cfg.mask_token_id)
-    block_ids[:, 0] = ids[anchor_idx]                                                       # [N, B]
-    return dict(feats=feats, doc=doc, pos=pos, anchor_idx=anchor_idx, anchor_ids=block_ids[:, 0].clone(),
-                noise=emb[block_ids], lm_head=lm_head)                                      # noise [N, B, H]
 
 
 class _ArgmaxRecorder:
@@ -162,7 +145,7 @@ def main(argv=None):
     if rev == "working tree":
         ap.error(f"--zlab {a.zlab} is not a git checkout: name the reference's commit with --commit")
     d = tiny_dflash2()
-    io = inputs(d.config)
+    io = inputs(d.config, lm_head=True)
     B = d.config.block_size
     with tempfile.TemporaryDirectory() as tmp:
         zlab = load_reference(src, Path(tmp))
