@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 # name -> (processes, settings): the one process, 1 target + 1 drafter, 1 target + 2 DDP drafters, the same with
-# FSDP2; one more one-process job covers the exp weighting, noise and a chunked loss
+# FSDP2; one more one-process job covers the exp weighting, noise and a chunked loss, and one a DFlash2 drafter
 JOBS = {
     "one": (1, {}),
     "t1d1": (2, {}),
     "t1d2_ddp": (3, {"GRAD_ACCUM": 2}),
     "t1d2_fsdp": (3, {"GRAD_ACCUM": 2, "DRAFTER_SHARDING": "fsdp"}),
     "one_exp_noise": (1, {"LOSS_WEIGHTING": "exp", "NOISE": 0.05, "CE_CHUNK": 16, "GRAD_ACCUM": 2}),
+    "t1d1_dflash2": (2, {"DRAFTER_ARCH": "dflash2", "CONV_GROUP_SIZE": 8, "SELECTOR_RANK": 8, "SELECTOR_TOP_K": 4}),
 }
 # checkpoint entries drawn from OS entropy at process start (nothing seeds Python's or NumPy's global RNG, and nothing
 # in training draws from them): they differ between any two runs of one commit, so they are not compared
