@@ -21,22 +21,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from data.loader import Data, DataError, Schedule, read_stats
+from data.loader import Data, Schedule, read_stats
 from model import fp8
 from model import drafters
+from model.drafters import SELECTOR_METRICS, arch_of, unwrap
 from model.drafter import Drafter, DrafterConfig
+from model.objective import block_metrics, decay_weighted, micro_seed
 from trainer import checkpoint as ckpt
 from trainer import evaluate as measure
 from trainer import settings
-from trainer.drafter_step import StepSums, autocast_for, drafter_step, optimizer_step
-from trainer.optim import lr_at
+from trainer.micro_batch import MicroBatchSums, autocast_for
+from trainer.optim import lr_at, scale_clip_
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
 from trainer.roles import (Dist, build_drafter, choose_resume, drafter_config, load_data, load_target, resume,
-                           run_device, run_target, start_feed, startup_check)
+                           run_device, run_target, schedule, start_feed, start_watchdog, startup_check)
 from trainer.status import Metrics, Meter, log, log_peak_memory, log_plan, status_line
-from trainer.watchdog import Watchdog, fail, finish, on_signals
+from trainer.watchdog import Watchdog, fail, failure_reason, finish, on_signals
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 # Every setting is one constant below: its default, then its comment, written once: a number's allowed range first
@@ -138,62 +141,27 @@ CONFIG_KEYS = [k for k in list(globals()) if k.isupper() and not k.startswith("_
 REPO = Path(__file__).resolve().parent
 
 
-# --- configuration ----------------------------------------------------------------------------------------------------
-
-def constants() -> settings.Settings:
-    """The constants above as they are now (after main's overrides), frozen: what the library reads as c.NAME."""
-    return settings.Settings(**{k: globals()[k] for k in CONFIG_KEYS})
-
-
-def defaults(**overrides) -> settings.Settings:
-    """The constants above with `overrides` (names of constants), frozen: a bench's or a test's settings."""
-    return constants().replace(**overrides)
-
-
-def configure(argv) -> tuple[dict, set[str]]:
-    """--NAME=VALUE overrides and the embedded defaults applied to the constants above (main, and launch.sh's check
-    before it starts a job). -> (the run's settings, the names given on the command line)."""
-    config, given = settings.parse_overrides(argv, {k: globals()[k] for k in CONFIG_KEYS}, Path(__file__))
-    settings.resolve_paths(config)
-    globals().update(config)   # the constants above now hold the run's values
-    return config, given
-
-
-def check_config(world: int) -> None:
-    """The job's whole start-up check on the constants as they are now (roles.startup_check: the settings, CUDA for
-    DEVICE=cuda, FP8 on the device, the trackers' packages): launch.sh's check before it starts a job."""
-    c = constants()
-    startup_check(c, world, run_device(c))
-
-
-# --- main: the job's phases -------------------------------------------------------------------------------------------
+# --- main: the job's phases -----------------------------------------------------------------------------------------
 
 def main(argv):
     _, given = configure(argv)
     c = constants()   # frozen: every phase below reads the run's settings from it
     d = Dist(c)
     log(f"[rank {d.rank} {d.role}] {d}")
-    out_dir, watchdog = Path(OUT_DIR), None
+    out_dir = Path(OUT_DIR)
     ck_root = out_dir / "checkpoints"
-    if not d.colocated:
-        watchdog = Watchdog(d.store, d.rank, d.world, d.roles, HEARTBEAT_TIMEOUT, STALL_TIMEOUT, log=log,
-                            is_master=d.is_master)
-        watchdog.start()
+    watchdog = start_watchdog(c, d)
     stop_flag = on_signals(f"[rank {d.rank} {d.role}]", watchdog, ck_root, log)
     try:
         # 1. settings that need the target's config and tokenizer, the data: all checked before any model loads
         c, dcfg, hf_cfg, eval_setup = drafter_config(c, d)
         init_notes = settings.check_init_from(c, dcfg) if INIT_FROM else []
         data = load_data(c, d, hf_cfg, watchdog)
-        # 2. where to start
+        # 2. where to start, and the schedule from there
         resume_path = choose_resume(c, d, watchdog, out_dir, ck_root)
         fingerprint = ckpt.target_fingerprint(TARGET)
         rp = resume(c, d, watchdog, resume_path, data, dcfg, fingerprint)
-        try:
-            sched = Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, GRAD_ACCUM, EPOCHS, MAX_STEPS,
-                             rp.start_g, rp.planned_g)
-        except DataError as e:
-            sys.exit(f"error: {e}")
+        sched = schedule(c, d, data, rp)
         total_steps = rp.step + sched.steps
         if d.is_master:
             log_plan(d, c, given, data, sched, dcfg, rp.step, total_steps, resume_path, init_notes)
@@ -204,11 +172,11 @@ def main(argv):
         if d.is_master:
             ckpt.write_run_info(out_dir, c.as_dict(), d.world, [d.n_targets, d.n_drafters], data, dcfg, fingerprint,
                                 resume_path)
-        # 3. a target rank's job
+        # 3. a target rank's job: it ends there
         target = load_target(c, d, dcfg, watchdog) if d.is_target else None
         if d.is_target and not d.colocated:
             run_target(c, d, data, sched, target, watchdog)
-        # 4. a drafter rank's (or the one process's) job
+        # 4. a drafter rank's (or the one process's) job: the drafter, its optimizer, the feed, then the loop
         drafter, model, opt, embed, head_w = build_drafter(c, d, dcfg, target, resume_path, watchdog)
         pre_stats = {}
         feed = start_feed(c, d, data, sched, target, dcfg, watchdog, pre_stats)
@@ -223,55 +191,15 @@ def main(argv):
             watchdog.fail(str(e.code).removeprefix("error: "))
         raise
     except Exception as e:  # noqa: BLE001 - every failure ends the whole job with a reason
-        reason = f"{type(e).__name__}: {e}"
-        if "out of memory" in str(e).lower() and torch.cuda.is_available():
-            gib = 2 ** 30
-            reason = (f"CUDA out of memory on {d.device}: {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, "
-                      f"{torch.cuda.memory_reserved() / gib:.1f} GiB reserved of "
-                      f"{torch.cuda.get_device_properties(d.device).total_memory / gib:.1f} GiB. Lower MAX_ANCHORS "
-                      f"(now {MAX_ANCHORS}), TOKEN_BUDGET (now {TOKEN_BUDGET}) or MAX_BATCH_SIZE (now "
-                      f"{MAX_BATCH_SIZE})")
-        fail(watchdog, reason, traceback.format_exc())
+        fail(watchdog, failure_reason(e, d.device, c), traceback.format_exc())
 
 
-# --- the drafter loop -------------------------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """What the drafter loop reads and updates, built by main's phases."""
-    d: Dist
-    dcfg: DrafterConfig
-    c: settings.Settings           # the run's settings (MASK_TOKEN_ID, TARGET_LAYER_IDS filled in), snapshotted
-                                   # into every checkpoint
-    data: Data
-    sched: Schedule
-    drafter: Drafter               # fp32 master weights
-    model: torch.nn.Module         # the drafter (FSDP2-sharded with DRAFTER_SHARDING=fsdp), or its DDP wrapper
-    opt: torch.optim.Optimizer
-    embed: torch.nn.Embedding      # the target's, frozen
-    head_w: torch.Tensor | fp8.HeadFP8   # [V, H] the target's lm_head, frozen (HEAD_FP8: with its FP8 copies)
-    feed: Prefetcher | TargetAhead
-    pre_stats: dict                # the one process's q_pre depth (produce writes it)
-    watchdog: Watchdog | None
-    stop_flag: threading.Event     # set by a signal
-    eval_setup: dict | None
-    ck_root: Path
-    fingerprint: dict              # the target's, in every checkpoint: a resume checks its target against it
-    step: int                      # optimizer steps done
-    step0: int                     # ... when this run started
-    total_steps: int
-    metrics: Metrics | None = None
-    saves: int = 0                 # checkpoints this run wrote (EVAL_EVERY counts them)
-    eval_reference: dict = field(default_factory=dict)   # greedy decodes: they depend on the target and prompts only
-    last_eval: dict = field(default_factory=dict)
-    stop_at: int | None = None     # the step after which every drafter stops (a signal)
-
-    def g_at(self, step):  # first micro-batch of optimizer step `step` (counted from the run's start step)
-        return self.sched.g_at(step - self.step0)
-
+# --- the drafter loop, and the drafter step it runs -----------------------------------------------------------------
 
 def train(run):
-    """lr -> micro-steps -> step -> stop -> log -> save, until the schedule ends or a signal asks to stop."""
+    """The drafter rank's loop: per optimizer step, its LR, GRAD_ACCUM micro-batches (each a drafter_step, below),
+    the optimizer_step, then stop? log? save?, until the schedule ends or a signal asks to stop. run: a Run (the
+    end of this file), what main's phases built."""
     d, B = run.d, run.dcfg.block_size
     if d.is_master:
         run.metrics = Metrics(Path(OUT_DIR), run.c)
@@ -284,8 +212,7 @@ def train(run):
     if run.watchdog:
         run.watchdog.collect.append(clock.poll)
     now = time.time()
-    meter = Meter(StepSums.zeros(d.device), now, now, run.step,
-                  split_reported=d.colocated)
+    meter = Meter(MicroBatchSums.zeros(d.device), now, now, run.step, split_reported=d.colocated)
     if d.is_master:
         log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")
     first = True
@@ -336,6 +263,53 @@ def train(run):
             log(f"done: {run.step} steps; final drafter in {ckpt.step_dir(run.ck_root, run.step) / 'drafter'}")
         run.metrics.flush()
 
+
+def drafter_step(model, embed, head_w, item, block_size, autocast, c, sync=True, probe=None,
+                 saved_hooks=None) -> MicroBatchSums:
+    """One micro-batch's forward, loss and backward: the gradients accumulate sum(w * CE) until optimizer_step.
+    The loss is the drafter family's (model/drafters.py: DFlash's is model/objective.py's weighted CE over the blocks).
+    c: the run's settings (NOISE, SEED, LOSS_WEIGHTING, DPACE_ALPHA, CE_CHUNK, SELECTOR_ALPHA). sync=False: a DDP
+    model skips its gradient all-reduce (not the step's last micro-batch). probe(phase) and saved_hooks: the bench's
+    instruments (bench/bench_dflash.py times this same function)."""
+    probe = probe or (lambda phase: None)
+    feats = item.features                                                                    # [T, K*H]
+    if c.NOISE:
+        gen = torch.Generator(device=feats.device).manual_seed(micro_seed(c.SEED, item.g))
+        feats = feats + (torch.rand(feats.shape, generator=gen, device=feats.device, dtype=torch.float32)
+                         * 2 - 1).mul_(c.NOISE).to(feats.dtype)
+    no_sync = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):   # FSDP2: reduce-scatter only after the step's last micro-batch
+        model.set_requires_gradient_sync(sync)
+    with no_sync, autocast:
+        with saved_hooks or contextlib.nullcontext():
+            hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
+            probe("forward")
+            parts, extra = arch_of(model).loss(unwrap(model), hidden, head_w, item, c.LOSS_WEIGHTING, c.DPACE_ALPHA,
+                                               c.CE_CHUNK, c.SELECTOR_ALPHA)
+            probe("CE")
+        parts.loss_sum.backward()
+    probe("backward")
+    zero = parts.weight_sum.new_zeros(())
+    bm = block_metrics(parts.correct.view(-1, block_size), item.weights.view(-1, block_size))
+    sums = torch.stack([*decay_weighted(parts, item, c.LOSS_WEIGHTING), bm["acc_num"], bm["acc_den"],
+                        bm["streak_num"], bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum,
+                        *[extra.get(k, zero) for k in SELECTOR_METRICS]]).double()
+    return MicroBatchSums(*sums.unbind())
+
+
+def optimizer_step(params, opt, step_w, grad_clip, n_drafters=1, group=None):
+    """The update after a step's micro-batches. Global normalisation: the gradients hold sum(w * CE) (averaged over
+    the n_drafters ranks of `group` by DDP's all-reduce, or FSDP2's reduce-scatter, which averages the same way),
+    step_w [1] this rank's sum of w: divide by the global one."""
+    if n_drafters > 1:
+        dist.all_reduce(step_w, group=group)
+    scale_clip_(params, (n_drafters / step_w.clamp(min=1e-12)).float(), grad_clip, opt)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    step_w.zero_()
+
+
+# --- the loop's bookkeeping: start-up, a micro-batch done, a stop request, checkpoints, evaluation ------------------
 
 def first_micro_batch(run, meter):
     """Start-up is over: stall detection on, the clocks restart (start-up is not throughput)."""
@@ -454,6 +428,68 @@ def evaluate(run, drafter):
         f"prompts={len(setup['prompts'])} held-out streak={'-' if tf is None else f'{tf:.2f}'} "
         f"({time.time() - t:.0f}s)")
     return dict(res, prompts_file=setup["path"].name)
+
+
+@dataclass
+class Run:
+    """What the drafter loop reads and updates, built by main's phases."""
+    d: Dist
+    dcfg: DrafterConfig
+    c: settings.Settings           # the run's settings (MASK_TOKEN_ID, TARGET_LAYER_IDS filled in), snapshotted
+                                   # into every checkpoint
+    data: Data
+    sched: Schedule
+    drafter: Drafter               # fp32 master weights
+    model: torch.nn.Module         # the drafter (FSDP2-sharded with DRAFTER_SHARDING=fsdp), or its DDP wrapper
+    opt: torch.optim.Optimizer
+    embed: torch.nn.Embedding      # the target's, frozen
+    head_w: torch.Tensor | fp8.HeadFP8   # [V, H] the target's lm_head, frozen (HEAD_FP8: with its FP8 copies)
+    feed: Prefetcher | TargetAhead
+    pre_stats: dict                # the one process's q_pre depth (produce writes it)
+    watchdog: Watchdog | None
+    stop_flag: threading.Event     # set by a signal
+    eval_setup: dict | None
+    ck_root: Path
+    fingerprint: dict              # the target's, in every checkpoint: a resume checks its target against it
+    step: int                      # optimizer steps done
+    step0: int                     # ... when this run started
+    total_steps: int
+    metrics: Metrics | None = None
+    saves: int = 0                 # checkpoints this run wrote (EVAL_EVERY counts them)
+    eval_reference: dict = field(default_factory=dict)   # greedy decodes: they depend on the target and prompts only
+    last_eval: dict = field(default_factory=dict)
+    stop_at: int | None = None     # the step after which every drafter stops (a signal)
+
+    def g_at(self, step):  # first micro-batch of optimizer step `step` (counted from the run's start step)
+        return self.sched.g_at(step - self.step0)
+
+
+# --- the constants as the run's settings ----------------------------------------------------------------------------
+
+def constants() -> settings.Settings:
+    """The constants above as they are now (after main's overrides), frozen: what the library reads as c.NAME."""
+    return settings.Settings(**{k: globals()[k] for k in CONFIG_KEYS})
+
+
+def defaults(**overrides) -> settings.Settings:
+    """The constants above with `overrides` (names of constants), frozen: a bench's or a test's settings."""
+    return constants().replace(**overrides)
+
+
+def configure(argv) -> tuple[dict, set[str]]:
+    """--NAME=VALUE overrides and the embedded defaults applied to the constants above (main, and launch.sh's check
+    before it starts a job). -> (the run's settings, the names given on the command line)."""
+    config, given = settings.parse_overrides(argv, {k: globals()[k] for k in CONFIG_KEYS}, Path(__file__))
+    settings.resolve_paths(config)
+    globals().update(config)   # the constants above now hold the run's values
+    return config, given
+
+
+def check_config(world: int) -> None:
+    """The job's whole start-up check on the constants as they are now (roles.startup_check: the settings, CUDA for
+    DEVICE=cuda, FP8 on the device, the trackers' packages): launch.sh's check before it starts a job."""
+    c = constants()
+    startup_check(c, world, run_device(c))
 
 
 if __name__ == "__main__":

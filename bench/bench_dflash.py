@@ -11,9 +11,9 @@ nothing is written except by --write-assets.
 
 What the trainer does is called, not copied: the target is a model.target.Target (built from a config instead of
 from_pretrained) run through model.target.target_features; the drafter's micro-batches go through
-model.objective.prepare (step.make_prepare) on a pipe.Prefetcher, fed synthetic packets instead of the network; the
-drafter step is step.drafter_step + optimizer_step for one rank and GRAD_ACCUM=1, with the settings c.cfg. The
-transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
+model.objective.prepare (micro_batch.make_prepare) on a pipe.Prefetcher, fed synthetic packets instead of the network;
+the drafter step is train_dflash's drafter_step + optimizer_step for one rank and GRAD_ACCUM=1, with the settings
+c.cfg. The transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
 Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) default to train_dflash's constants (read,
 never written: Context.cfg, a trainer.settings.Settings from td.defaults, holds this run's values).
 Every mode prints the planner's memory estimate (trainer/planner.py) next to the measured peak.
@@ -50,8 +50,9 @@ from model.drafter import Drafter, DrafterConfig, compile_drafter
 from model.fp8 import convert_drafter, quantize_target
 from model.objective import micro_seed, pack, sample_anchors, set_ce_kernel
 from model.target import Target, target_features
+from train_dflash import drafter_step, optimizer_step
 from trainer import planner
-from trainer.drafter_step import autocast_for, drafter_step, make_prepare, mask_lengths, optimizer_step
+from trainer.micro_batch import autocast_for, make_prepare, mask_lengths
 from trainer.optim import make_optimizer
 from trainer.pipe import Packet, Prefetcher, Sender, receive
 
@@ -343,7 +344,7 @@ class DrafterRig:
         self.step_w = torch.zeros(1, device=c.device, dtype=torch.float64)
 
     def step(self, item, probe=None, saved_hooks=None):
-        """The trainer's step for one drafter rank, GRAD_ACCUM=1: step.drafter_step + optimizer_step."""
+        """The trainer's step for one drafter rank, GRAD_ACCUM=1: train_dflash.drafter_step + optimizer_step."""
         sums = drafter_step(self.drafter, self.embed, self.head_w, item, self.c.dcfg.block_size, self.autocast,
                             self.c.cfg, probe=probe, saved_hooks=saved_hooks)
         self.step_w += sums.objective_w

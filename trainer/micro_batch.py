@@ -1,22 +1,18 @@
-"""One drafter step as a function of explicit settings: the trainer's loop and the bench (bench/bench_dflash.py)
-call the same `make_prepare`, `drafter_step` and `optimizer_step` with the run's settings `c`
-(trainer.settings.Settings, read as c.NAME: SEED, MAX_ANCHORS, MIN_ANCHORS_PER_DOC, TOKEN_BUDGET, GAMMA,
-LOSS_WEIGHTING, DPACE_ALPHA, NOISE, CE_CHUNK, SELECTOR_ALPHA; train_dflash.py's constants of those names give units
-and allowed values)."""
-import contextlib
+"""A micro-batch on a drafter rank: `make_prepare` turns an arrived Packet into the drafter's inputs (anchors, blocks,
+mask: model.objective.prepare) with the run's settings `c` (trainer.settings.Settings: SEED, MAX_ANCHORS,
+MIN_ANCHORS_PER_DOC, TOKEN_BUDGET, GAMMA), and `MicroBatchSums` holds what train_dflash.drafter_step measured on it for
+the status line. The drafter step itself and the optimizer step sit beside the loop in train_dflash.py; the bench
+(bench/bench_dflash.py) calls the same functions."""
 import functools
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from model.attention import static_lengths
-from model.drafters import SELECTOR_METRICS, arch_of, unwrap
-from model.objective import block_metrics, decay_weighted, micro_seed, prepare
-from trainer.optim import scale_clip_
+from model.objective import prepare
 
 
-class StepSums(NamedTuple):
+class MicroBatchSums(NamedTuple):
     """A micro-batch's sums (0-dim float64 tensors, on the device until the log interval); summed over micro-batches
     and drafter ranks, the status line divides them in pairs."""
     loss: torch.Tensor          # sum w * CE under the exp decay (the status line's loss, whatever the weighting)
@@ -36,7 +32,8 @@ class StepSums(NamedTuple):
 
     @classmethod
     def zeros(cls, device) -> torch.Tensor:
-        """[fields] float64 zeros: the running sums of micro-batches' StepSums, stacked (the status line's meter)."""
+        """[fields] float64 zeros: the running sums of micro-batches' MicroBatchSums, stacked (the status line's
+        meter)."""
         return torch.zeros(len(cls._fields), device=device, dtype=torch.float64)
 
 
@@ -53,49 +50,6 @@ def make_prepare(cfg, device, flex, c):
     return functools.partial(prepare, cfg=cfg, seed=c.SEED, max_anchors=c.MAX_ANCHORS,
                              min_per_doc=c.MIN_ANCHORS_PER_DOC, gamma=c.GAMMA, flex=flex, device=device,
                              lengths=mask_lengths(cfg, device, flex, c))
-
-
-def drafter_step(model, embed, head_w, item, block_size, autocast, c, sync=True, probe=None,
-                 saved_hooks=None) -> StepSums:
-    """One micro-batch's forward, loss and backward: the gradients accumulate sum(w * CE) until optimizer_step.
-    sync=False: a DDP model skips its gradient all-reduce (not the step's last micro-batch). probe(phase) and
-    saved_hooks: the bench's instruments."""
-    probe = probe or (lambda phase: None)
-    feats = item.features                                                                    # [T, K*H]
-    if c.NOISE:
-        gen = torch.Generator(device=feats.device).manual_seed(micro_seed(c.SEED, item.g))
-        feats = feats + (torch.rand(feats.shape, generator=gen, device=feats.device, dtype=torch.float32)
-                         * 2 - 1).mul_(c.NOISE).to(feats.dtype)
-    no_sync = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
-    if hasattr(model, "set_requires_gradient_sync"):   # FSDP2: reduce-scatter only after the step's last micro-batch
-        model.set_requires_gradient_sync(sync)
-    with no_sync, autocast:
-        with saved_hooks or contextlib.nullcontext():
-            hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
-            probe("forward")
-            parts, extra = arch_of(model).loss(unwrap(model), hidden, head_w, item, c.LOSS_WEIGHTING, c.DPACE_ALPHA,
-                                               c.CE_CHUNK, c.SELECTOR_ALPHA)
-            probe("CE")
-        parts.loss_sum.backward()
-    probe("backward")
-    zero = parts.weight_sum.new_zeros(())
-    bm = block_metrics(parts.correct.view(-1, block_size), item.weights.view(-1, block_size))
-    sums = torch.stack([*decay_weighted(parts, item, c.LOSS_WEIGHTING), bm["acc_num"], bm["acc_den"],
-                        bm["streak_num"], bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum,
-                        *[extra.get(k, zero) for k in SELECTOR_METRICS]]).double()
-    return StepSums(*sums.unbind())
-
-
-def optimizer_step(params, opt, step_w, grad_clip, n_drafters=1, group=None):
-    """The update after a step's micro-batches. Global normalisation: the gradients hold sum(w * CE) (averaged over
-    the n_drafters ranks of `group` by DDP's all-reduce, or FSDP2's reduce-scatter, which averages the same way),
-    step_w [1] this rank's sum of w: divide by the global one."""
-    if n_drafters > 1:
-        dist.all_reduce(step_w, group=group)
-    scale_clip_(params, (n_drafters / step_w.clamp(min=1e-12)).float(), grad_clip, opt)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    step_w.zero_()
 
 
 def autocast_for(device, dtype):

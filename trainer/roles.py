@@ -1,6 +1,7 @@
-"""main's phases of train_dflash.py, in the order it calls them: who this process is (`Dist`), the settings that need
-the target's config and tokenizer (`drafter_config`, with the in-training evaluation's prompts, `eval_inputs`), the
-data and the memory plan (`load_data`), where to start (`choose_resume`, `resume`), a target rank's job
+"""main's phases of train_dflash.py, in the order it calls them: who this process is (`Dist`) and its watchdog
+(`start_watchdog`), the settings that need the target's config and tokenizer (`drafter_config`, with the in-training
+evaluation's prompts, `eval_inputs`), the data and the memory plan (`load_data`), where to start (`choose_resume`,
+`resume`) and the schedule from there (`schedule`), a target rank's job
 (`load_target`, `run_target`), and a drafter rank's set-up (`build_drafter` with `shard_drafter` and
 `restore_drafter`, `start_feed`). Each takes the run's settings `c` (trainer.settings.Settings, read as c.NAME) and
 this process's `Dist`; none reads train_dflash's globals."""
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoTokenizer
 
-from data.loader import Data, DataError, read_stats, tokenizer_mismatches
+from data.loader import Data, DataError, Schedule, read_stats, tokenizer_mismatches
 from data.prompts import load_prompts, prompt_messages, refused_by_template, spread, template_refusal_message
 from model import fp8
 from model.attention import set_flex_kernel_options, warmup_flex_attention
@@ -28,11 +29,11 @@ from model.target import Target, load_frozen_io
 from trainer import checkpoint as ckpt
 from trainer import planner
 from trainer import settings
-from trainer.drafter_step import make_prepare, mask_lengths
+from trainer.micro_batch import make_prepare, mask_lengths
 from trainer.optim import make_optimizer
 from trainer.pipe import BusyClock, Prefetcher, Replica, Sender, StopPoint, TargetAhead, produce, receive
 from trainer.status import Phase, check_trackers, log, log_peak_memory
-from trainer.watchdog import fail, wait_done
+from trainer.watchdog import Watchdog, fail, wait_done
 
 
 def eval_inputs(c, tok, stats: dict) -> dict:
@@ -143,6 +144,17 @@ class Dist:
             if self.shards > 1 and self.is_target else ""
         return (f"rank {self.rank}/{self.world} {self.role} on {self.device} ({self.dtype}, "
                 f"attention={'flex' if self.flex else 'sdpa'}) pid {os.getpid()}{shard}")
+
+
+def start_watchdog(c, d) -> Watchdog | None:
+    """This rank's watchdog (heartbeats, the stall check, a named exit for the whole job), started; None in one
+    process (nothing to watch but itself)."""
+    if d.colocated:
+        return None
+    watchdog = Watchdog(d.store, d.rank, d.world, d.roles, c.HEARTBEAT_TIMEOUT, c.STALL_TIMEOUT, log=log,
+                        is_master=d.is_master)
+    watchdog.start()
+    return watchdog
 
 
 # --- before any model loads: settings from the target's config, the data, where to start ------------------------
@@ -265,6 +277,15 @@ def resume(c, d, watchdog, resume_path, data, dcfg, fingerprint) -> ckpt.ResumeP
         for note in ckpt.environment_notes(meta, [d.n_targets, d.n_drafters], rp.start_g):
             log(note)
     return rp
+
+
+def schedule(c, d, data, rp: ckpt.ResumePoint) -> Schedule:
+    """The micro-batches each drafter rank trains on from the resume point: EPOCHS over the data or MAX_STEPS."""
+    try:
+        return Schedule(data.plan.num_batches, d.n_targets, d.n_drafters, c.GRAD_ACCUM, c.EPOCHS, c.MAX_STEPS,
+                        rp.start_g, rp.planned_g)
+    except DataError as e:
+        sys.exit(f"error: {e}")
 
 
 # --- a target rank ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from trainer import planner
 from trainer.pipe import BusyClock
-from trainer.drafter_step import StepSums
+from trainer.micro_batch import MicroBatchSums
 
 WANDB_ID_FILE = "wandb_run_id.txt"   # in OUT_DIR: the W&B run a resume continues
 
@@ -73,7 +73,7 @@ def log_plan(d, c, given, data, sched, dcfg, step, total_steps, resume_path, ini
 @dataclass
 class Meter:
     """The status line's sums and counters since the last one."""
-    sums: torch.Tensor             # [len(StepSums._fields)] float64: StepSums of the micro-batches since, stacked
+    sums: torch.Tensor             # [len(MicroBatchSums._fields)] float64: MicroBatchSums of the micro-batches since, stacked
     t_start: float
     t_log: float
     step_at_log: int
@@ -103,7 +103,7 @@ def status_line(run, meter, params, lr, now):
         if spread != 0.0:
             raise RuntimeError(f"drafter ranks hold different weights after step {step} (checksum spread "
                                f"{spread:g}): DDP gradient sync is broken")
-    s = StepSums(*red.tolist())   # floats now: the one device-to-host copy of the interval
+    s = MicroBatchSums(*red.tolist())   # floats now: the one device-to-host copy of the interval
     meter.sums.zero_()
     if d.is_master:
         dt = max(1e-9, now - meter.t_log)

@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import torch
+
 
 # --- watchdog ---------------------------------------------------------------------------------------------------------
 
@@ -256,6 +258,20 @@ def fail(watchdog, reason, detail=""):
         watchdog.fail(reason, detail)
     print(detail, file=sys.stderr)
     sys.exit(f"error: {reason}")
+
+
+def failure_reason(e: BaseException, device, c) -> str:
+    """The one line a failed job ends with: the exception, and for CUDA out of memory what the GPU held and the
+    settings that lower it."""
+    reason = f"{type(e).__name__}: {e}"
+    if "out of memory" in str(e).lower() and torch.cuda.is_available():
+        gib = 2 ** 30
+        reason = (f"CUDA out of memory on {device}: {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, "
+                  f"{torch.cuda.memory_reserved() / gib:.1f} GiB reserved of "
+                  f"{torch.cuda.get_device_properties(device).total_memory / gib:.1f} GiB. Lower MAX_ANCHORS "
+                  f"(now {c.MAX_ANCHORS}), TOKEN_BUDGET (now {c.TOKEN_BUDGET}) or MAX_BATCH_SIZE (now "
+                  f"{c.MAX_BATCH_SIZE})")
+    return reason
 
 
 def on_signals(who, watchdog, ck_root, log) -> threading.Event:

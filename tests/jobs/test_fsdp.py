@@ -95,7 +95,7 @@ def _gradient_worker():
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from trainer.roles import shard_drafter
-    from trainer.drafter_step import optimizer_step
+    from train_dflash import optimizer_step
     from model.drafter import Drafter, DrafterConfig
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -61,7 +61,7 @@ def test_run_from_init_from_starts_with_the_exported_drafter(assets, tmp_path, m
     from model.objective import weighted_ce
     from model.target import load_frozen_io
     from trainer.pipe import Packet
-    from trainer.drafter_step import make_prepare
+    from trainer.micro_batch import make_prepare
     from trainer.settings import Settings
     target, data = assets
     src = export(target, tmp_path / "drafter")

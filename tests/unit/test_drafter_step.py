@@ -1,5 +1,6 @@
-"""trainer/drafter_step.py, directly: one drafter step (the chunked, fused loss) against the same micro-batch's
-plain unchunked weighted CE, its sums and its gradients; and StepSums' width. In-process, well under a second."""
+"""train_dflash.drafter_step, directly: one drafter step (the chunked, fused loss) against the same micro-batch's
+plain unchunked weighted CE, its sums and its gradients; and MicroBatchSums' width. In-process, well under a
+second."""
 import copy
 
 import pytest
@@ -10,7 +11,8 @@ from conftest import TINY
 from runs import trainer_cfg
 from model.drafter import Drafter, DrafterConfig
 from model.objective import weighted_ce
-from trainer.drafter_step import StepSums, autocast_for, drafter_step, make_prepare
+from train_dflash import drafter_step
+from trainer.micro_batch import MicroBatchSums, autocast_for, make_prepare
 from trainer.pipe import Packet
 
 B = 4
@@ -59,5 +61,5 @@ def test_one_drafter_step_equals_the_unchunked_loss(weighting):
 
 
 def test_step_sums_zeros_has_one_slot_per_field():
-    z = StepSums.zeros(torch.device("cpu"))
-    assert z.shape == (len(StepSums._fields),) and z.dtype == torch.float64 and not z.any()
+    z = MicroBatchSums.zeros(torch.device("cpu"))
+    assert z.shape == (len(MicroBatchSums._fields),) and z.dtype == torch.float64 and not z.any()

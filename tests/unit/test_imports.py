@@ -9,7 +9,7 @@ TIERS = [
     ("train_dflash", "eval_dflash", "bench", "tools"),
     ("trainer.roles",),
     ("trainer.settings", "trainer.status"),
-    ("trainer.drafter_step", "trainer.pipe", "trainer.checkpoint", "trainer.planner", "trainer.watchdog",
+    ("trainer.micro_batch", "trainer.pipe", "trainer.checkpoint", "trainer.planner", "trainer.watchdog",
      "trainer.evaluate"),
     ("trainer.optim",),
     ("data",),
@@ -47,7 +47,7 @@ def imports_of(path: Path, modules) -> set[str]:
 
 def test_every_file_imports_only_its_tier_or_lower():
     modules = project_modules()
-    assert {"train_dflash", "trainer.settings", "trainer.drafter_step", "trainer.optim", "model.engine",
+    assert {"train_dflash", "trainer.settings", "trainer.micro_batch", "trainer.optim", "model.engine",
             "data.synthesize"} <= set(modules)
     upward = []
     for name, path in modules.items():

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.drafter_step import StepSums
+from trainer.micro_batch import MicroBatchSums
 from trainer.settings import Settings
 from trainer.status import Meter, fmt_eta, status_line
 
@@ -22,7 +22,7 @@ def one_process_run(rows):
 def test_the_status_line_reads_the_interval_in_a_fixed_order(capsys):
     rows = []
     run = one_process_run(rows)
-    sums = StepSums(*torch.tensor([6.0, 3.0, 5.0, 10.0, 8.0, 4.0, 6.0, 3.0] + [0.0] * 5, dtype=torch.float64).unbind())
+    sums = MicroBatchSums(*torch.tensor([6.0, 3.0, 5.0, 10.0, 8.0, 4.0, 6.0, 3.0] + [0.0] * 5, dtype=torch.float64).unbind())
     meter = Meter(torch.stack(sums), t_start=0.0, t_log=0.0, step_at_log=0, tokens=6400, micro_batches=10,
                   split_reported=True)
     status_line(run, meter, [], lr=3e-4, now=120.0)
