@@ -43,14 +43,19 @@ from trainer.watchdog import Watchdog, fail, failure_reason, finish, on_signals
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 # Every setting is one constant below: its default, then its comment, written once: a number's allowed range first
-# ([>= N] or [> N], which trainer/settings.py checks), then units and allowed values (which --help prints).
+# ([>= N] or [> N], which trainer/settings.py checks), then its meaning, units and allowed values, continued on `#`
+# lines below it. --help prints them, and docs/configuration.md's table is generated from them (python -m
+# tools.config_page): a new setting is its constant, its comment and its test.
 
 # --- what to train --------------------------------------------------------------------------------------------------
 TARGET = ""                 # local HF folder of the frozen target; "" = SmolLM2-135M-Instruct (python -m tools.smollm2)
 DATA = ""                   # prepared dataset folder (python -m data.prepare); "" = data/default/smollm2
 OUT_DIR = "runs/dflash"     # checkpoints/, metrics.jsonl, run.json (launch.sh adds train.log)
-INIT_FROM = ""              # exported drafter folder (serving format, e.g. runs/x/checkpoints/step_N/drafter) to start
-#                             from; "" = random init. A fresh run (step 0, new optimizer); a checkpoint to resume wins
+INIT_FROM = ""              # exported drafter folder to start from (serving format, fp32 or bf16, e.g.
+#                             runs/x/checkpoints/step_N/drafter); "" = random init. A fresh run: step 0, new optimizer,
+#                             the LR schedule from its start. Its config.json is checked against this run's drafter
+#                             before any model loads (each differing setting named with both values); a checkpoint to
+#                             resume in OUT_DIR wins (the log says so)
 NUM_DRAFT_LAYERS = 5        # [>= 1] L, drafter decoder layers
 TARGET_LAYER_IDS = ""       # comma list of target layers to tap, e.g. "1,9,17,25,33"; "" = spread NUM_TAPS evenly
 NUM_TAPS = 0                # [>= 0] K when TARGET_LAYER_IDS is "": 0 = NUM_DRAFT_LAYERS
@@ -58,22 +63,36 @@ BLOCK_SIZE = 16             # [>= 2] B, tokens per block: the anchor + B-1 draft
 MASK_TOKEN_ID = -1          # [>= -1] -1 = first unused id past the tokenizer (or an unused special token)
 SLIDING_WINDOW_LAYERS = 0   # [>= 0] last S drafter layers use sliding-window attention (causal inside the block)
 SLIDING_WINDOW = 0          # [>= 0] their window in tokens; 0 = the target's config value
-DRAFTER_ARCH = "dflash"     # dflash | dflash2 (block-local dynamic convolutions + a candidate selector, model/dflash2.py)
+DRAFTER_ARCH = "dflash"     # dflash | dflash2: DFlash plus block-local dynamic convolutions in every layer and a
+                            # candidate selector that rescores each slot's unary top-K (model/dflash2.py). INIT_FROM a
+                            # DFlash export starts a dflash2 run from its backbone (the new parameters at identity /
+                            # zero init)
 CONV_KERNEL_SIZE = 2        # [>= 1] dflash2: taps of each block-local convolution (<= BLOCK_SIZE)
-CONV_GROUP_SIZE = 16        # [>= 1] dflash2: channels sharing one dynamic coefficient (divides the hidden size)
-SELECTOR_RANK = 256         # [>= 1] dflash2: rank of the selector's bilinear predecessor x hidden x candidate term
+CONV_GROUP_SIZE = 16        # [>= 1] dflash2: channels sharing one dynamic coefficient (must divide the target's hidden
+                            # size)
+SELECTOR_RANK = 256         # [>= 1] dflash2: rank of the selector's bilinear predecessor x hidden x candidate term (two
+                            # [V, rank] codebooks)
 SELECTOR_TOP_K = 16         # [>= 1] dflash2: unary candidates per slot the selector rescores (<= vocab size)
-SELECTOR_ALPHA = 1.0        # [>= 0] dflash2: weight of the selector CE beside the block CE (speculators' 1.0)
+SELECTOR_ALPHA = 1.0        # [>= 0] dflash2: weight of the selector's K-way CE beside the block CE (speculators' 1.0);
+                            # the status line adds sel_recall (gold in the top-K), sel_acc (teacher-forced pick) and
+                            # sel_streak (the walk's own accepted length)
 
 # --- objective ------------------------------------------------------------------------------------------------------
 MAX_ANCHORS = 2048          # [>= 1] blocks per micro-batch (anchors sampled without replacement, fresh every step);
-                            # 125 per 1K tokens at TOKEN_BUDGET 16384 (BENCHMARKS.md: anchor density at equal GPU
-                            # time). SpecForge's num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch
+                            # 125 per 1K tokens at TOKEN_BUDGET 16384 (SpecForge's recipe: 167). SpecForge's
+                            # num_anchors counts per sequence: MAX_ANCHORS = it x sequences per batch. Why this density:
+                            # docs/configuration.md, anchor density
 MIN_ANCHORS_PER_DOC = 1     # [>= 0] floor per sequence when MAX_ANCHORS binds, so short sequences are not starved
-GAMMA = 7.0                 # [> 0] LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32
-LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default; +0.10 tau over exp, BENCHMARKS.md)
-                            # | exp (exp(-(k-1)/GAMMA), the paper's)
-DPACE_ALPHA = 0.5           # [>= 0] D-PACE confidence smoothing in [0, 1]: slot weights from (1-a)*q + a, q = p(label)
+GAMMA = 7.0                 # [> 0] LOSS_WEIGHTING=exp: weight of slot k is exp(-(k-1)/GAMMA); 7 for B=16, 10 for B=32.
+                            # Unused by the default dpace weighting (the log says so when GAMMA is set)
+LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default: slot k weighs the sum over supervised j >= k of
+                            # prod_{i<=j} ((1-a) q_i + a), q = the drafter's own detached probability of the label, so
+                            # a slot counts as much as the acceptance riding on it) | exp (exp(-(k-1)/GAMMA), the
+                            # paper's). dpace is the default for its tau at equal data and steps: BENCHMARKS.md,
+                            # drafter quality
+DPACE_ALPHA = 0.5           # [>= 0] D-PACE's confidence smoothing a in [0, 1]: slot weights from (1-a)*q + a, q =
+                            # p(label); 0 = the plain acceptance products, 1 = weights count the supervised slots
+                            # from k on
 NOISE = 0.0                 # [>= 0] uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
 CE_CHUNK = 4096             # [>= 0] rows of [rows, vocab] logits alive at once in the loss (0 = unchunked, tests only)
 
@@ -94,22 +113,36 @@ MAX_STEPS = 0               # [>= 0] optimizer steps of the run, repeating the d
 
 # --- topology and hardware --------------------------------------------------------------------------------------------
 TARGET_RANKS = 1            # [>= 1] the first TARGET_RANKS ranks run the target, the rest train the drafter
-TARGET_SHARDS = 1           # [>= 1] target ranks per replica: each holds 1/N of the target (FSDP2); divides
-                            # TARGET_RANKS
+TARGET_SHARDS = 1           # [>= 1] target ranks per replica: each holds 1/N of the target (FSDP2; docs/multi-gpu.md,
+                            # targets larger than one GPU); TARGET_RANKS must be a multiple of it
 DEVICE = "auto"             # auto | cuda | cpu
 DTYPE = "auto"              # auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32
 ATTN = "auto"               # auto (flex on GPU, sdpa on CPU) | flex | sdpa
 COMPILE_DRAFTER = "off"     # off | elementwise (fused RMSNorm + RoPE kernels) | layers (that + each layer one graph)
-COMPILE_TARGET = False      # torch.compile each target decoder layer (one process: run on the main thread, one ahead)
-TARGET_FP8 = False          # frozen target's Linear layers in FP8 (rowwise scales) on GPU (SM89+, torchao)
-DRAFTER_FP8 = False         # drafter Linear layers trained in FP8 (torchao float8 training, DRAFTER_FP8_RECIPE)
-                            # with HEAD_FP8 and COMPILE_DRAFTER=layers: 1.24x the drafter step at Qwen3-8B shapes,
-                            # tau within noise; slower at small hidden sizes (BENCHMARKS.md, throughput)
-DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # | rowwise | tensorwise: torchao's recipes (model/fp8.py)
-HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradient) in FP8, per-row scales (SM89+)
-DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, grads, AdamW) | fsdp (FSDP2: 1/D of each)
-FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, '{"USE_TMA": true}'; "" = torch's
-OVERLAP_OPTIMIZER = True    # GPU: AdamW on a side stream, layer by layer, under the next forward (trainer/optim.py)
+COMPILE_TARGET = False      # torch.compile each target decoder layer (compiled at its first forward, on the main
+                            # thread; one process then runs its target forward there, a micro-batch ahead)
+TARGET_FP8 = False          # the frozen target's decoder Linear layers up to the last tap in FP8 (torchao, per-row
+                            # scales; embedding and lm_head stay bf16); SM89+ GPU only
+DRAFTER_FP8 = False         # the drafter's layer Linear layers trained in FP8 (torchao float8 training in
+                            # DRAFTER_FP8_RECIPE; fc and the lm_head + CE stay bf16); SM89+ GPU, meant with
+                            # COMPILE_DRAFTER=layers and HEAD_FP8. Faster at Qwen3-8B shapes, slower at small hidden
+                            # sizes; its speed and tau cost: BENCHMARKS.md, throughput at equal work, drafter quality
+DRAFTER_FP8_RECIPE = "rowwise_with_gw_hp"   # rowwise_with_gw_hp (per-row scales, weight gradients in bf16) | rowwise
+                            # (all three GEMMs FP8, per-row) | tensorwise (one scale per tensor, e5m2 gradients):
+                            # torchao's float8 training recipes (model/fp8.py); the step time of each: BENCHMARKS.md,
+                            # other figures
+HEAD_FP8 = False            # the loss's two lm_head GEMMs (logits, input gradient) in FP8 through torch._scaled_mm,
+                            # per-row scales, the frozen lm_head quantised once (model/fp8.py); SM89+ GPU; its speed
+                            # and tau cost: BENCHMARKS.md, throughput at equal work, drafter quality
+DRAFTER_SHARDING = "ddp"    # ddp (every drafter rank holds all weights, gradients and AdamW state) | fsdp (FSDP2 per
+                            # drafter layer + root over the drafter ranks: 1/D of each per rank, bf16 compute on GPU,
+                            # fp32 master shards, checkpoints sharded with torch.distributed.checkpoint; needs
+                            # torchrun, not with DRAFTER_FP8; docs/multi-gpu.md, drafters larger than one GPU)
+FLEX_OPTIONS = ""           # JSON kernel_options of the drafter's flex_attention, e.g. '{"USE_TMA": true}'; "" =
+                            # torch's defaults (python -m bench.bench_dflash --mode flex times candidates)
+OVERLAP_OPTIMIZER = True    # GPU: the AdamW update runs on a side stream one layer at a time while the next forward
+                            # computes, each layer waiting only for its own update (trainer/optim.py); same results
+                            # bitwise. False runs it after the backward
 Q_PREFETCH = 4              # [>= 1] q_pre: padded batches a target rank prepares ahead
 Q_HS = 8                    # [>= 1] q_hs: received micro-batches a drafter rank holds ahead of compute
 SEND_DEPTH = 2              # [>= 1] feature tensors a target rank may have in flight
@@ -120,7 +153,7 @@ KEEP_LAST = 3               # [>= 0] checkpoints kept
 RESUME = "auto"             # auto (newest complete checkpoint in OUT_DIR, else start) | scratch | <checkpoint path>
 SEED = 0                    # [>= 0] drafter init, anchor sampling and noise (per micro-batch, so resume is exact)
 LOG_EVERY = 10              # [>= 1] optimizer steps between status lines
-LOG_SECONDS = 60.0          # [> 0] ... or at most this many seconds
+LOG_SECONDS = 60.0          # [> 0] ... or at most this many seconds (one drafter rank; several log by LOG_EVERY only)
 HEARTBEAT_TIMEOUT = 30.0    # [> 0] s without a heartbeat before a rank is declared dead
 STALL_TIMEOUT = 600.0       # [> 0] s without progress on any rank (after start-up) before the job is ended
 EVAL_EVERY = 0              # [>= 0] run the tau evaluation on every N-th checkpoint (0 = off); on the master
@@ -131,8 +164,10 @@ EVAL_LIMIT = 20             # [>= 1] prompts per evaluation, dealt over the cate
 EVAL_MAX_NEW_TOKENS = 128   # [>= 1] tokens generated per prompt
 EVAL_DTYPE = "float32"      # target dtype for it: float32 keeps the losslessness check exact (bf16 block vs
 #                             one-token forwards round differently, which can flip near-tied greedy tokens)
-TENSORBOARD = False         # also log to OUT_DIR/tb
-WANDB_PROJECT = ""          # also log to this W&B project ("" = off)
+TENSORBOARD = False         # also log to OUT_DIR/tb (tensorboard --logdir OUT_DIR/tb); the package is checked at
+                            # start-up
+WANDB_PROJECT = ""          # also log to this W&B project ("" = off); the run id is kept in OUT_DIR/wandb_run_id.txt,
+                            # so a resume continues the same W&B run; the package is checked at start-up
 DRY_RUN = False             # check the config and data, print the plan, exit before loading any model
 DUMP_BATCHES = 0            # [>= 0] drafters save the first N received micro-batches to OUT_DIR/dump/ (debugging,
                             # tests)

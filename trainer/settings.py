@@ -1,7 +1,8 @@
-"""train_dflash.py's settings: `--NAME=VALUE` overrides of its constants, `--help` (the constants block, read from
-its source), the checks a user can act on before any model loads (`check_config`, `check_init_from`), and the
-choices made from the target's tokenizer (`choose_mask_token_id`). Functions take the settings as `c`, a `Settings`:
-the constants as read-only attributes (train_dflash.constants())."""
+"""train_dflash.py's settings: `--NAME=VALUE` overrides of its constants, `--help` and docs/configuration.md's table
+(`config_table`, which tools/config_page.py writes), both read from the constants block of its source, the checks a
+user can act on before any model loads (`check_config`, `check_init_from`), and the choices made from the target's
+tokenizer (`choose_mask_token_id`). Functions take the settings as `c`, a `Settings`: the constants as read-only
+attributes (train_dflash.constants())."""
 import ast
 import difflib
 import json
@@ -132,6 +133,48 @@ def help_text(source: Path) -> str:
         elif out:
             out.append(" " * 35 + rest[0])
     return "\n".join(out)
+
+
+# in a comment, what the page shows as code: a `python -m` command with its flags; a path: a folder/, a path with a
+# slash and a lower-case letter (not SIGTERM/SIGINT) or a file name with an extension. The rest is prose
+CODE_IN_COMMENT = re.compile(r"python -m [\w.]+(?: --[\w-]+(?:[ =][\w./]+)?)*"
+                             r"|(?<![\w./-])(?:(?=[\w./-]*[a-z])[A-Za-z_][\w.-]*/(?:[\w./-]*[\w/])?"
+                             r"|[\w-]+\.(?:md|py|jsonl?|txt|log|sh|safetensors))(?![\w/-])")
+
+
+def _pipes(text: str) -> str:
+    """`|` escaped: GitHub's tables split a row on it, even inside code."""
+    return text.replace("|", "\\|")
+
+
+def _markdown_cell(text: str) -> str:
+    """A comment as one table cell: commands and paths in backticks, `|` escaped everywhere, `\\`, `<` and `*` in the
+    prose too (no stray emphasis or HTML tag)."""
+    def prose(s):
+        return _pipes(s.replace("\\", "\\\\")).replace("<", "&lt;").replace("*", "\\*")
+    out, at = [], 0
+    for m in CODE_IN_COMMENT.finditer(text):
+        out += [prose(text[at:m.start()]), "`" + _pipes(m.group()) + "`"]
+        at = m.end()
+    return "".join(out + [prose(text[at:])])
+
+
+def config_table(source: Path) -> str:
+    """The constants block of `source` as docs/configuration.md's table: a bold row per section, then a row per
+    constant: `NAME`, its default, its comment with the continuation lines below it (the range first, as --help
+    shows it). tools/config_page.py writes it into the page."""
+    rows, last = ["| constant | default | meaning |", "|---|---|---|"], None
+    for kind, *rest in constant_lines(source):
+        if kind == "section":
+            rows.append(f"| **{rest[0]}** | | |")
+            last = None
+        elif kind == "constant":
+            last = [rest[0], rest[1], [rest[2]] if rest[2] else []]
+            rows.append(last)
+        elif last:   # a comment continuing the constant's: the same cell
+            last[2].append(rest[0])
+    return "\n".join(r if isinstance(r, str) else f"| `{r[0]}` | `{_pipes(r[1])}` | {_markdown_cell(' '.join(r[2]))} |"
+                     for r in rows) + "\n"
 
 
 def resolve_paths(c: dict) -> None:

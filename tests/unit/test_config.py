@@ -175,17 +175,66 @@ def test_init_from_a_target_folder_says_it_is_not_a_drafter(tiny_qwen3_dir):
         settings.check_init_from(c, dcfg)
 
 
-def test_configuration_page_documents_every_constant_with_its_default():
-    """docs/configuration.md explains each constant; its default is the one written beside the constant."""
-    import re
-    from pathlib import Path
-    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
-    missing = [k for k in td.CONFIG_KEYS if f"| `{k}` |" not in page]
-    assert not missing, f"docs/configuration.md's table lacks {missing}"
-    shown = {m[1]: m[2] for m in re.finditer(r"^\| `([A-Z_0-9]+)` \| `([^`]*)` \|", page, re.M)}
-    stale = [(k, shown.get(k), v) for kind, k, v, *_ in
-             (x for x in settings.constant_lines(td.REPO / "train_dflash.py") if x[0] == "constant") if shown.get(k) != v]
-    assert not stale, f"docs/configuration.md's defaults differ from train_dflash.py's (name, page, code): {stale}"
+def test_configuration_page_is_the_table_the_constants_make():
+    """docs/configuration.md's table is generated from the constants' comments (trainer.settings.config_table): a
+    constant or comment changed without rerunning `python -m tools.config_page` fails here, naming that command."""
+    from tools import config_page
+    page = config_page.PAGE.read_text()
+    assert page.count(config_page.BEGIN) == 1 and page.count(config_page.END) == 1
+    assert all(f"| `{k}` |" in page for k in td.CONFIG_KEYS)
+    stale = config_page.differences()
+    assert not stale, stale
+
+
+FAKE_PROGRAM = """\"\"\"A program with one new knob.\"\"\"
+import os
+
+# --- what to train ------------
+OLD = "a"       # an old knob
+
+# --- tuning -------------------
+WIDGETS = 3     # [>= 1] widgets per batch | fewer on CPU (<= MAX_WIDGETS, docs/widgets.md)
+#                 counted per rank, python -m tools.widgets --rank 0 prints them
+CONFIG_KEYS = []
+"""
+
+
+def test_a_new_constant_reaches_help_the_page_and_the_checks_from_its_one_line(tmp_path):
+    """A knob is its constant and its comment: --help, the page's row (continuation joined, | escaped, paths and
+    commands as code) and the range check all come from there."""
+    src = tmp_path / "prog.py"
+    src.write_text(FAKE_PROGRAM)
+    assert settings.ranges_of(src) == {"WIDGETS": (1, False)}
+    help_lines = settings.help_text(src).splitlines()
+    knob = help_lines.index(next(l for l in help_lines if l.startswith("  --WIDGETS=3 ")))
+    assert help_lines[knob - 1:knob + 2] == ["tuning:", "  --WIDGETS=3".ljust(34) + " [>= 1] widgets per batch | "
+                                             "fewer on CPU (<= MAX_WIDGETS, docs/widgets.md)", " " * 35 + "counted per "
+                                             "rank, python -m tools.widgets --rank 0 prints them"]
+    assert settings.config_table(src).splitlines() == [
+        "| constant | default | meaning |", "|---|---|---|", "| **what to train** | | |",
+        '| `OLD` | `"a"` | an old knob |', "| **tuning** | | |",
+        "| `WIDGETS` | `3` | [>= 1] widgets per batch \\| fewer on CPU (&lt;= MAX_WIDGETS, `docs/widgets.md`) "
+        "counted per rank, `python -m tools.widgets --rank 0` prints them |"]
+
+
+def test_config_page_rewrites_only_its_table_and_check_names_the_fix(tmp_path, capsys):
+    from tools import config_page
+    src, page = tmp_path / "prog.py", tmp_path / "page.md"
+    src.write_text(FAKE_PROGRAM)
+    prose = ("# Page\n\nBy hand.\n\n", "\n## More\n\nAlso by hand: | `WIDGETS` | `4` |\n")
+    page.write_text(f"{prose[0]}{config_page.BEGIN}\n| old table |\n{config_page.END}{prose[1]}")
+    with pytest.raises(SystemExit) as stale:
+        config_page.main(["--check", "--page", str(page), "--source", str(src)])
+    assert "-| old table |" in stale.value.code and "+| `WIDGETS` | `3` |" in stale.value.code
+    assert stale.value.code.endswith("regenerate it: python -m tools.config_page")
+    config_page.main(["--page", str(page), "--source", str(src)])
+    table = settings.config_table(src)
+    assert page.read_text() == f"{prose[0]}{config_page.BEGIN}\n{table}{config_page.END}{prose[1]}"
+    config_page.main(["--check", "--page", str(page), "--source", str(src)])
+    assert "the table is the constants'" in capsys.readouterr().out
+    page.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="has no .* pair to write the table between"):
+        config_page.main(["--page", str(page), "--source", str(src)])
 
 
 def test_a_range_is_read_from_the_constants_comment(tmp_path):
