@@ -22,8 +22,9 @@ NGPU=$(nvidia-smi -L | wc -l)
 for step in $ONLY; do
     echo "== $step ($(date -u +%H:%M:%S))"
     case $step in
-        tests)   $PY -m pytest -q -rs tests/unit/test_ce_kernel.py tests/gpu/test_flex_cuda.py tests/unit/test_optim.py \
-                     tests/unit/test_export.py tests/unit/test_compile.py tests/unit/test_fastdecode.py \
+        tests)   $PY -m pytest -q -rs tests/gpu/test_ce_kernel_cuda.py tests/gpu/test_flex_cuda.py \
+                     tests/gpu/test_optim_cuda.py tests/unit/test_export.py tests/unit/test_compile.py \
+                     tests/gpu/test_fastdecode_cuda.py \
                      "tests/unit/test_engine.py::test_compiled_sampler_draws_what_the_eager_one_draws" \
                      $( (( NGPU >= 2 )) && echo tests/gpu/test_gpu_train.py) -m "slow or not slow" \
                      2>&1 | tee "$OUT/tests.txt" | tail -15 ;;

@@ -9,7 +9,8 @@ the chunk (abs-amax, divide, clamp). Where p_y rounds to 1 (1 - p_y below fp32's
 row's entries saturate at +-448 x that floor, and its error stays below 6e-8 w, as its true values do.
 
 model.objective uses it on CUDA tensors when Triton is importable; its eager epilogue is the reference
-(tests/unit/test_ce_kernel.py runs both, on CPU through Triton's interpreter, TRITON_INTERPRET=1).
+(tests/helpers/ce_cases.py compares both: tests/jobs/test_ce_kernel_jobs.py on CPU through Triton's interpreter,
+TRITON_INTERPRET=1; tests/gpu/test_ce_kernel_cuda.py on a GPU).
 """
 import os
 

@@ -1,6 +1,13 @@
-"""Shared fixtures: tiny random Qwen3 and Llama targets saved as local HF folders, a drafter factory, and the
-trainer tests' target + dataset (`assets`, one per test module; tests/helpers/runs.py builds them)."""
+"""Shared fixtures: tiny random Qwen3 and Llama targets saved as local HF folders (and an 8-token one), the Qwen3
+tokenizer, a drafter factory, and the trainer tests' target + dataset (`assets`, one per test module;
+tests/helpers/runs.py builds them). A topic's own helpers and fixtures shared by two tiers (a unit test and its GPU or
+job half) live in tests/helpers/ (<topic>_cases.py, stub_server.py), imported by name.
+
+The tiers are where a file lives: tests/unit (in-process), tests/jobs (every test marked `job` here, by its path),
+tests/gpu (skips without CUDA); tests/unit/test_tiers.py keeps processes and CUDA-only tests out of tests/unit."""
+import lzma
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,9 +23,19 @@ SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dfla
 # from DFLASH_ZLAB_REPO where a machine has one; unset, the path names the variable, does not exist, and the tests
 # that compare against it skip saying so
 ZLAB_REPO = Path(os.environ.get("DFLASH_ZLAB_REPO") or "$DFLASH_ZLAB_REPO-unset")
+QWEN3_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "qwen3_tokenizer"
+JOBS = Path(__file__).resolve().parent / "jobs"
 
 TINY = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, num_hidden_layers=6, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects, so `-m "not job"` leaves them out
+def pytest_collection_modifyitems(items):
+    """Every test under tests/jobs is a `job` (it starts a torchrun or subprocess job): the tier is the folder."""
+    for item in items:
+        if JOBS in item.path.parents:
+            item.add_marker(pytest.mark.job)
 
 
 def _save_tiny(cls_name, out, **extra):
@@ -47,6 +64,30 @@ def tiny_qwen3_dir(tmp_path_factory):
 def tiny_llama_dir(tmp_path_factory):
     return _save_tiny("Llama", tmp_path_factory.mktemp("tiny_llama"),
                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A tiny random Qwen3 with 8 tokens (a random drafter then often guesses right, so steps of every length
+    occur) and 3 prompts of different lengths: (folder, model, rows)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("vocab8")
+    Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 8}, tie_word_embeddings=False)).save_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(2)
+    rows = [{"id": f"p{i}", "category": "c", "input_ids": torch.randint(0, 7, (n,), generator=g).tolist()}
+            for i, n in enumerate((3, 11, 26))]
+    return path, model, rows
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """The real Qwen3 tokenizer (tests/fixtures/qwen3_tokenizer, unpacked), no model."""
+    d = tmp_path_factory.mktemp("qwen3_tokenizer")
+    (d / "tokenizer.json").write_bytes(lzma.open(QWEN3_TOKENIZER / "tokenizer.json.xz").read())
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", d)
+    return d
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ backward and the next forward (BENCHMARKS.md). With `overlap` the step runs on a
 forward order and records an event per chunk; the next forward waits for each chunk's event only where it first
 reads that chunk's parameters (Drafter.params_ready), so the update of layer i+1 runs while layer i computes. The
 arithmetic is the same fused AdamW kernel on the same tensors: results are bitwise those of the plain step
-(tests/unit/test_optim.py on CUDA).
+(tests/gpu/test_optim_cuda.py on CUDA).
 
 Whoever reads the parameters outside the drafter's forward (checkpoints, evaluation, export, the DDP checksum)
 calls wait_all() first.

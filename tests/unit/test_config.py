@@ -1,7 +1,6 @@
-"""trainer/settings.py: check_config's ranges, --NAME=VALUE and --help; the LR schedule. In-process (no job is started)."""
+"""trainer/settings.py: check_config's ranges, --NAME=VALUE and --help's text; the LR schedule. In-process (the
+program's --help as a process: tests/jobs/test_config_jobs.py)."""
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -148,15 +147,6 @@ def test_help_lists_every_constant_with_its_comment_in_its_group():
     anchors = lines.index(next(l for l in lines if l.startswith("  --MAX_ANCHORS=")))
     assert "1K tokens" in lines[anchors + 1]
     assert lines.index("optimisation:") < lines.index(next(l for l in lines if l.startswith("  --GRAD_CLIP=")))
-
-
-@pytest.mark.job
-def test_help_prints_instead_of_an_error():
-    r = subprocess.run([sys.executable, str(td.REPO / "train_dflash.py"), "--help"], capture_output=True, text=True,
-                       cwd=td.REPO, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "--TOKEN_BUDGET=16384" in r.stdout and "tokens per micro-batch" in r.stdout
-    assert "error" not in r.stdout + r.stderr.lower().replace("failed to load", "")
 
 
 def test_init_from_a_target_folder_says_it_is_not_a_drafter(tiny_qwen3_dir):

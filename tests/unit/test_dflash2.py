@@ -6,37 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.dflash2 import (DFlash2Config, DFlash2Drafter, block_conv, candidates, dflash2_keys, selector_lattice,
-                           selector_walk, walk_lattice, warm_start)
+from model.dflash2 import (DFlash2Drafter, block_conv, candidates, dflash2_keys, selector_lattice, selector_walk,
+                           walk_lattice, warm_start)
 from model.dflash2_loss import dflash2_loss, selector_loss, selector_metrics, training_candidates
 from model.objective import block_metrics, weighted_ce
+from dflash2_cases import build_dflash2, randomize_dflash2  # noqa: F401 (a fixture)
 from test_drafter import packed_batch, run
-
-
-@pytest.fixture(scope="module")
-def build_dflash2(build_drafter):
-    """build_dflash2(target_dir, seed=0, **dflash2) -> (DFlash2Drafter, the DFlash Drafter it was built from); tiny
-    hidden 64 -> conv_group_size 16 gives 4 groups; vocab 128."""
-    def build(target_dir, seed=0, num_layers=2, block_size=4, sliding_window_layers=0, **dflash2):
-        dflash = build_drafter(target_dir, num_layers=num_layers, block_size=block_size, seed=seed,
-                               sliding_window_layers=sliding_window_layers,
-                               sliding_window=64 if sliding_window_layers else None)
-        dflash2.setdefault("selector_rank", 8)
-        dflash2.setdefault("selector_top_k", 4)
-        torch.manual_seed(seed + 1)
-        d2 = DFlash2Drafter(DFlash2Config.from_drafter(dflash.config, **dflash2))
-        warm_start(d2, dflash.state_dict())
-        return d2, dflash
-    return build
-
-
-def randomize_dflash2(d2, seed=0, scale=0.3):
-    """Non-trivial convolutions and transition: random base kernels and projections, a non-zero successor book."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for k in sorted(dflash2_keys(d2)):
-            p = d2.get_parameter(k)
-            p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 # ---------------------------------------------------------------------------

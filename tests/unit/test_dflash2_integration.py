@@ -1,6 +1,6 @@
 """DFlash2 through the rest of the tree: the registry, the optimizer's chunks, every decode loop lossless with the
 selector's walk (and the walk's tau equal to the decode loop's), DDTree refused, INIT_FROM of a DFlash export, the
-memory plan. In-process, tiny targets."""
+memory plan. In-process, tiny targets, CPU (the fast loop's CUDA graphs: tests/gpu/test_dflash2_cuda.py)."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,24 +12,9 @@ from model.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_keys
 from model.drafter import Drafter
 from model.export import export_drafter
 from model.fastdecode import FastDecoder
-from test_dflash2 import build_dflash2, randomize_dflash2  # noqa: F401 (a fixture)
-from test_walk import small_vocab  # noqa: F401 (a fixture)
+from dflash2_cases import B, build_dflash2, randomize_dflash2, walkers  # noqa: F401 (fixtures)
 from trainer.optim import make_optimizer
 from trainer.settings import Settings
-
-B = 4
-
-
-@pytest.fixture(scope="module")
-def walkers(small_vocab, build_dflash2):
-    """Two DFlash2 drafters on the 8-token target whose walks differ from their unary argmax somewhere."""
-    path, model, rows = small_vocab
-    out = []
-    for seed in (0, 1):
-        d2, _ = build_dflash2(path, seed=seed, block_size=B, selector_top_k=3, selector_rank=4)
-        randomize_dflash2(d2, seed=seed, scale=1.0)
-        out.append(d2.eval())
-    return out
 
 
 def test_the_registry_names_each_arch_once():
@@ -161,25 +146,6 @@ def test_drafter_fp8_leaves_dflash2s_small_linears_alone(walkers):
     names = drafter_linears(walkers[0])
     assert names and not [n for n in names if "_conv." in n or n.startswith("candidate_selector.")]
     assert {n.rsplit(".", 1)[-1] for n in names} >= {"q_proj", "o_proj", "down_proj"}
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
-def test_cuda_graphs_walk_equals_eager_and_the_decode_loop(small_vocab, walkers):
-    """On a GPU, fp32: the fast loop's graph replays (convolutions and the selector's walk captured) give the eager
-    steps' tokens and steps, and the HF decode loop's."""
-    import copy
-    path, model, rows = small_vocab
-    model = copy.deepcopy(model).cuda()
-    prompts = [r["input_ids"] for r in rows]
-    n = max(map(len, prompts)) + 30 + B - 1
-    graphs, eager = FastDecoder(model, n), FastDecoder(model, n, cuda_graphs=False)
-    assert graphs.cuda_graphs
-    for d2 in walkers:
-        d2 = copy.deepcopy(d2).cuda()
-        prop, sg, se = DrafterProposer(d2, model), graphs.drafter(d2, B), eager.drafter(d2, B)
-        for p in prompts:
-            want = speculative_decode(model, p, prop, B, 30, set())
-            assert graphs.speculative(p, sg, 30, set()) == eager.speculative(p, se, 30, set()) == want
 
 
 def test_cli_reads_a_dflash2_export_and_its_methods_agree(small_vocab, walkers, tmp_path, capsys):

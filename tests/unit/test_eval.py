@@ -1,7 +1,8 @@
 """trainer/evaluate.py and its CLI eval_dflash.py: the verify/accept/commit loop against plain greedy decoding, oracle
 and wrong proposers, DDTree, the drafter's context KV cache, the context limit, several drafters sharing one
-reference, --workers, the CLI on SmolLM2; per-category and macro tau against a slow reference, prompt rows checked
-before the target loads, multi-turn rows with answer placeholders; tools.tau_diff."""
+reference, the CLI on SmolLM2 (--workers' processes: tests/jobs/test_eval_jobs.py); per-category and macro tau
+against a slow reference, prompt rows checked before the target loads, multi-turn rows with answer placeholders;
+tools.tau_diff."""
 import gzip
 import json
 import re
@@ -13,6 +14,7 @@ import torch
 from conftest import SMOLLM2_DIR
 import eval_dflash
 from data.prompts import PromptTooLong, encode_prompt, load_prompts, prompt_messages, refused_by_template
+from eval_cases import B, prompts, untimed
 from eval_dflash import main
 from model.decode import build_tree, eos_ids, greedy_decode, speculative_decode
 from model.drafter import DrafterCache
@@ -20,20 +22,12 @@ from model.export import export_drafter, load_drafter
 from trainer import evaluate as measure
 from trainer.evaluate import evaluate, evaluate_drafters
 
-B = 4
-
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3_dir):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32, attn_implementation="sdpa",
                                                 local_files_only=True).eval()
-
-
-def prompts(lengths=(5, 13, 30), vocab=127):
-    g = torch.Generator().manual_seed(1)
-    return [{"id": f"p{i}", "category": ("a", "b/x", "b/y")[i % 3],
-             "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for i, n in enumerate(lengths)]
 
 
 class Oracle:
@@ -217,11 +211,6 @@ def test_proposals_equal_training_forward(target, build_drafter, tiny_qwen3_dir)
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
 
 
-def _same(r):
-    """A per-prompt result without its timings (the only part that may differ between runs)."""
-    return {k: v for k, v in r.items() if k != "seconds"}
-
-
 def test_several_drafters_equal_each_alone(target, build_drafter, tiny_qwen3_dir, monkeypatch):
     d = build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B)
     drafters = [d, Oracle(target, wrong_slot=lambda s: 1 + s % B)]     # tau ~1 and tau > 1: a mix-up shows
@@ -233,63 +222,10 @@ def test_several_drafters_equal_each_alone(target, build_drafter, tiny_qwen3_dir
     assert len(calls) == 1 + 3                                           # warm-up + one reference per prompt
     assert both[0]["tau"] < both[1]["tau"]
     for one, res in zip(alone, both):
-        assert [_same(r) for r in res["per_prompt"]] == [_same(r) for r in one["per_prompt"]]
+        assert [untimed(r) for r in res["per_prompt"]] == [untimed(r) for r in one["per_prompt"]]
         for key in ("tau", "tree_tau", "lossless", "tau_by_category", "accept_hist", "tree_accept_hist", "config"):
             assert res[key] == one[key], key
         assert res["lossless"], res["mismatches"]
-
-
-@pytest.fixture
-def cli_folder(build_drafter, tiny_qwen3_dir, tmp_path):
-    """Two exported random drafters and 5 pre-tokenized prompts (the tiny target folder has no tokenizer)."""
-    for seed in (0, 1):
-        export_drafter(build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B, seed=seed), tmp_path / f"d{seed}")
-    rows = prompts(lengths=(5, 13, 30, 8, 21))
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return tmp_path
-
-
-def cli(target_dir, folder, *extra, drafters=("d0", "d1"), prompts_file="p.jsonl"):
-    return ["--target", str(target_dir), "--drafter", *[str(folder / d) for d in drafters],
-            "--prompts", str(folder / prompts_file), "--device", "cpu", "--max-new-tokens", "12", *extra]
-
-
-@pytest.mark.job   # --workers 2 starts worker processes
-def test_cli_workers_equal_one_process(cli_folder, tiny_qwen3_dir, capsys):
-    args = cli(tiny_qwen3_dir, cli_folder, "--tree-budget", "6")
-    one = main(args + ["--workers", "1", "--out", str(cli_folder / "w1.json")])
-    text1 = capsys.readouterr().out
-    two = main(args + ["--workers", "2", "--out", str(cli_folder / "w2.json")])
-    text2 = capsys.readouterr().out
-    assert json.loads((cli_folder / "w2.json").read_text())["drafters"][1]["drafter"] == str(cli_folder / "d1")
-    assert [r["drafter"] for r in one["drafters"]] == [str(cli_folder / d) for d in ("d0", "d1")]
-    for a, b in zip(one["drafters"], two["drafters"]):
-        assert a["config"]["workers"] == 1 and b["config"]["workers"] == 2
-        assert [r["id"] for r in b["per_prompt"]] == ["p0", "p1", "p2", "p3", "p4"]
-        assert [_same(r) for r in b["per_prompt"]] == [_same(r) for r in a["per_prompt"]]
-        for key in ("tau", "tree_tau", "lossless", "prompts", "tau_by_category", "accept_hist", "tree_accept_hist"):
-            assert b[key] == a[key], key
-        assert a["lossless"] and a["prompts"] == 5 and sum(a["accept_hist"].values()) > 5
-    assert one["drafters"][0]["per_prompt"] != one["drafters"][1]["per_prompt"]      # two different drafters
-    for text, res in ((text1, one), (text2, two)):
-        lines = text.strip().splitlines()
-        assert re.fullmatch(r"tau=\d+\.\d\d lossless=yes prompts=5", lines[-1]), lines[-1]
-        assert lines[-1] == f"tau={res['drafters'][1]['tau']:.2f} lossless=yes prompts=5"
-        assert sum(line.startswith("tau=") for line in lines) == 2
-    assert "2 workers sharing the device" in text2 and "workers sharing" not in text1
-
-
-@pytest.mark.job   # --workers 2 starts worker processes
-def test_cli_failing_worker_fails_the_run(cli_folder, tiny_qwen3_dir):
-    rows = [json.loads(line) for line in (cli_folder / "p.jsonl").read_text().splitlines()][:3]
-    rows[1]["input_ids"][2] = 10_000                                  # outside the vocabulary: only worker 1 has it
-    (cli_folder / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(SystemExit) as e:
-        main(cli(tiny_qwen3_dir, cli_folder, "--workers", "2", prompts_file="bad.jsonl"))
-    assert "worker 1/2 failed" in str(e.value) and "index out of range" in str(e.value), e.value
-    with pytest.raises(SystemExit) as e:
-        main(cli(tiny_qwen3_dir, cli_folder, "--workers", "2", drafters=("d0", "nope")))
-    assert "has no config.json" in str(e.value) and str(cli_folder / "nope") in str(e.value), e.value  # up front
 
 
 def test_teacher_forced_streak_equals_the_decode_path(target, build_drafter, tiny_qwen3_dir):

@@ -3,7 +3,8 @@ greedy_decode token for token (tiny Llama and Qwen3, SmolLM2 when present), its 
 speculative_decode in tokens and in tokens committed per step (random drafters, sliding layers, a briefly trained
 drafter that accepts often; eos and max_new_tokens cutting a block), and the CLI's result; its re-wired pieces equal
 what they stand in for bit for bit (RoPE, the drafter's step and context K/V), and its steps launch the kernels
-tools/count_ops.py says they do. CPU, fp32, eager: the CUDA-graph path replays these same step functions."""
+tools/count_ops.py says they do. CPU, fp32, eager: the CUDA-graph path replays these same step functions
+(tests/gpu/test_fastdecode_cuda.py checks it on a GPU)."""
 import importlib
 import json
 from collections import Counter
@@ -12,30 +13,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import SMOLLM2_DIR, TINY
+from fastdecode_cases import B, MAX_NEW, load, random_prompts, trained  # noqa: F401 (a fixture)
 from model.engine import SUPPORTED
 from data.prompts import encode_prompt
 from eval_dflash import main
-from model.decode import DrafterProposer, eos_ids, greedy_decode, speculative_decode, target_forward
+from model.decode import DrafterProposer, eos_ids, greedy_decode, speculative_decode
 from model.drafter import DrafterCache, _apply_rope, rope_cos_sin
 from model.export import export_drafter
 from model.fastdecode import DraftState, FastDecoder, additive_mask, attend, rope, rotated_sin
 from tools import count_ops
-
-B = 4
-MAX_NEW = 40
-
-
-def load(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
-                                                local_files_only=True).eval()
-
-
-def random_prompts(vocab, lengths=(1, 5, 13, 30), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -46,42 +34,6 @@ def vocab8(tmp_path_factory):
     path = tmp_path_factory.mktemp("fast_vocab8")
     Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 8}, tie_word_embeddings=False)).save_pretrained(path)
     return path, load(path)
-
-
-def train_briefly(drafter, model, prompts, steps=20):
-    """A few Adam steps of the drafter's training forward (every generated position an anchor, CE on slots
-    1..B-1) on the target's own greedy continuations: enough to accept 0..B-1 drafts, not to accept everything."""
-    proposer = DrafterProposer(drafter, model)
-    data = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor(p + greedy_decode(model, p, MAX_NEW, set()))                     # [L]
-            _, feats = target_forward(model, ids, torch.arange(len(ids)), DynamicCache(), proposer.layer_ids)
-            data.append((ids, feats, len(p)))
-    k, opt = torch.arange(B), torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = 0
-        for ids, feats, P in data:
-            L = len(ids)
-            anchors = torch.arange(P, L - 1)                                                     # [N]
-            block = torch.where(k[None] == 0, ids[anchors][:, None], drafter.config.mask_token_id)   # [N, B]
-            zeros = torch.zeros(L, dtype=torch.long)
-            h = drafter(feats, torch.arange(L), proposer.embed(block.flatten()), (anchors[:, None] + k).flatten(),
-                        drafter.attn_spec(anchors, zeros[:len(anchors)], zeros))                 # [N*B, H]
-            idx = anchors[:, None] + k[1:]                                                       # [N, B-1]
-            logits = proposer.lm_head(h.view(len(anchors), B, -1)[:, 1:])                        # [N, B-1, V]
-            loss = loss + F.cross_entropy(logits[idx < L], ids[idx[idx < L]])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_qwen3_dir, build_drafter):
-    model = load(tiny_qwen3_dir)
-    prompts = random_prompts(128, (3, 11, 26, 7))
-    return model, train_briefly(build_drafter(tiny_qwen3_dir, num_layers=2, block_size=B), model, prompts), prompts
 
 
 def same_as_decode(model, drafter, prompts, max_new=MAX_NEW, eos=frozenset(), attention="sdpa"):
@@ -258,33 +210,6 @@ def test_bf16_drafter_with_an_fp32_target_stays_lossless(tiny_qwen3_dir, trained
         assert res["lossless"] and res["tau"] > 1 and res["prompts"] == len(prompts)
         for r, p in zip(res["per_prompt"], prompts):
             assert r["tokens"] == greedy_decode(model, p, 24, eos), (method, r["id"])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CUDA-graph path")
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
-def test_cuda_graphs_equal_eager_and_the_decode_loop(trained, attention):
-    """On a GPU, fp32: graph replays give the eager steps' tokens and steps, and the HF decode loop's; two drafters
-    (two graphs sharing the greedy graph's pool) and prompts of several lengths through one decoder."""
-    import copy
-    model, drafter, prompts = trained
-    model, drafters = copy.deepcopy(model).cuda(), [copy.deepcopy(drafter).cuda() for _ in range(2)]
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in drafters[1].parameters():                  # a second, different drafter for the same target
-            p += 0.01 * torch.randn_like(p)
-    prompts = prompts + random_prompts(128, (9, 17), seed=3)
-    n = max(map(len, prompts)) + MAX_NEW + B - 1
-    graphs, eager = FastDecoder(model, n, attention=attention), FastDecoder(model, n, cuda_graphs=False,
-                                                                            attention=attention)
-    assert graphs.cuda_graphs and not eager.cuda_graphs
-    for d in drafters:
-        proposer, sg, se = DrafterProposer(d, model), graphs.drafter(d, B), eager.drafter(d, B)
-        for p in prompts:
-            want = speculative_decode(model, p, proposer, B, MAX_NEW, set())
-            assert graphs.speculative(p, sg, MAX_NEW, set()) == eager.speculative(p, se, MAX_NEW, set()) == want
-            assert graphs.greedy(p, MAX_NEW, set()) == eager.greedy(p, MAX_NEW, set()) == greedy_decode(
-                model, p, MAX_NEW, set())
-    assert len(graphs.graphs) == 3                          # greedy + one per drafter
 
 
 def test_rope_is_the_models_own_bit_for_bit():

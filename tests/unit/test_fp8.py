@@ -1,7 +1,8 @@
 """TARGET_FP8 / DRAFTER_FP8 on a CPU: the refusal where FP8 cannot run, which layers each converts, and the FP8
 numerics the CPU can run (torchao's per-row quantisation and torch._scaled_mm against an fp32 reference; torchao's
-float8 training in its emulation mode). The FP8 GEMM kernels themselves run only on an SM89+ GPU:
-bench/fp8_h200.py measures them there."""
+float8 training in its emulation mode; HEAD_FP8's GEMMs and loss, tests/helpers/fp8_cases.py). The FP8 GEMM kernels
+themselves run only on an SM89+ GPU: tests/gpu/test_fp8_cuda.py checks HEAD_FP8's there, bench/fp8_h200.py measures
+them; the trainer's refusals as real jobs are tests/jobs/test_fp8_jobs.py."""
 import sys
 import types
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from model import fp8
-from runs import base_args, cpu_rowwise_scaled_mm_missing, make_dataset, make_target, run
+from fp8_cases import check_head_fp8_gemms, check_head_fp8_loss, head_case
+from runs import cpu_rowwise_scaled_mm_missing
 
 
 def needs_torchao():
@@ -32,19 +34,6 @@ def test_fp8_needs_an_sm89_gpu(monkeypatch):
         "DRAFTER_FP8 needs torchao, an optional package: pip install -r requirements-fp8.txt, or set --DRAFTER_FP8=False")
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     assert fp8.check("DRAFTER_FP8", torch.device("cuda", 0)) is None
-
-
-@pytest.mark.job
-def test_trainer_refuses_fp8_on_a_cpu_before_loading_anything(tmp_path):
-    target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
-    # DEVICE=cpu: on a GPU machine "auto" would pick the GPU, where FP8 is allowed
-    r = run(1, base_args(target, data, tmp_path / "out", DEVICE="cpu", TARGET_FP8=True, DRAFTER_FP8=True,
-                         HEAD_FP8=True))
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "error: TARGET_FP8 needs an SM89+ GPU" in r.stderr and "DRAFTER_FP8 needs an SM89+ GPU" in r.stderr
-    assert "HEAD_FP8 needs an SM89+ GPU" in r.stderr
-    assert "Traceback" not in r.stderr and "load target" not in r.stdout
-    assert not (tmp_path / "out").exists(), "nothing written"
 
 
 def test_target_fp8_takes_the_linear_layers_up_to_the_last_tap(tiny_qwen3_dir):
@@ -147,45 +136,17 @@ def test_drafter_fp8_trains_the_layers_in_fp8_and_keeps_fc(build_drafter, tiny_q
 
 # --- HEAD_FP8 ---------------------------------------------------------------------------------------------------------
 
-def head_case(V=512, H=64, M=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    W = (torch.randn(V, H, generator=g) * 0.05).to(torch.bfloat16)
-    h = (torch.randn(M, H, generator=g) * torch.rand(M, 1, generator=g) * 6).to(torch.bfloat16)
-    return W, h, torch.randint(0, V, (M,), generator=g), torch.rand(M, generator=g)
-
-
-FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= fp8.MIN_CAPABILITY
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not FP8_GPU,
-                                                                reason="needs an SM89+ GPU (the FP8 GEMM kernels)"))]
-
-
-def needs_scaled_mm(device):
+def needs_scaled_mm():
     """HeadFP8 on a CPU needs torch._scaled_mm with per-row scales there: skip, with the reason, where it is missing."""
-    if device == "cpu" and (why := cpu_rowwise_scaled_mm_missing()):
+    if why := cpu_rowwise_scaled_mm_missing():
         pytest.skip(why)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_head_fp8_gemms_against_their_dequantised_operands(device):
-    """HeadFP8's two GEMMs (torch._scaled_mm, per-row scales) against the same e4m3 operands multiplied back by
-    their scales and multiplied in fp32: equal up to the bf16 output's rounding. Its stored weights are W within
-    one e4m3 step, per vocabulary row (logits) and per hidden unit (input gradient). On a GPU: cuBLAS's kernels."""
-    needs_scaled_mm(device)
-    W, h, _, _ = (t.to(device) for t in head_case())
-    head = fp8.HeadFP8(W)
-    rows = head.rows.float() * head.row_scale                                          # [V, H]
-    cols = (head.cols.float() * head.col_scale.t()).t()                                # [V, H]
-    for deq in (rows, cols):
-        torch.testing.assert_close(deq, W.float(), rtol=2 ** -3, atol=1e-6)
-    q, s = fp8.quantize_rows(h)
-    want = (q.float() * s) @ rows.T
-    torch.testing.assert_close(head.logits(h).float(), want, rtol=2 ** -7, atol=1e-2)
-    g = torch.randn(h.shape[0], W.shape[0], device=device).to(torch.bfloat16)
-    qg, sg = fp8.quantize_rows(g.clone())
-    want = (qg.float() * sg) @ cols
-    got = head.grad_input(g.clone(), torch.float32)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+def test_head_fp8_gemms_against_their_dequantised_operands():
+    """HeadFP8's two GEMMs on the CPU against their dequantised operands multiplied in fp32
+    (fp8_cases.check_head_fp8_gemms; on an SM89+ GPU: tests/gpu/test_fp8_cuda.py)."""
+    needs_scaled_mm()
+    check_head_fp8_gemms("cpu")
 
 
 def test_quantize_rows_maps_each_rows_amax_to_e4m3s_largest_and_keeps_zero_rows():
@@ -196,29 +157,12 @@ def test_quantize_rows_maps_each_rows_amax_to_e4m3s_largest_and_keeps_zero_rows(
     torch.testing.assert_close(q.float() * s, x, rtol=2 ** -3, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dpace", [False, True])
-def test_head_fp8_loss_and_gradient_near_bf16(dpace, device):
-    """weighted_ce through HeadFP8 against the same loss through the bf16 lm_head (the chunked CE, and the unchunked
-    reference, which a HeadFP8 sends to its bf16 weight): the loss within 1%, the gradient within ~5% but not equal
-    (the FP8 GEMMs ran), argmax agreeing on nearly every row; with D-PACE's reweighting too."""
-    from model.objective import dpace_reweight, weighted_ce
-    needs_scaled_mm(device)
-    W, h, y, w = (t.to(device) for t in head_case())
-    head = fp8.HeadFP8(W)
-    rows = torch.arange(len(y), device=device)
-    out = []
-    for lm in (W, head, W):
-        x = h.clone().requires_grad_()
-        rw = dpace_reweight(w, rows, 4, 0.3) if dpace else None
-        parts = weighted_ce(x, lm, y, w, chunk_size=32 if lm is head or not out else 0, rows=rows, reweight=rw)
-        parts.loss_sum.backward()
-        out.append((parts.loss_sum.item(), x.grad.float(), parts.correct))
-    (l_ref, g_ref, c_ref), (l8, g8, c8), (l_full, g_full, _) = out
-    assert l8 == pytest.approx(l_ref, rel=1e-2) and l_full == pytest.approx(l_ref, rel=1e-3)
-    rel = ((g8 - g_ref).norm() / g_ref.norm()).item()
-    assert 1e-3 < rel < 0.06, rel
-    assert (c8 == c_ref).float().mean() > 0.95
+def test_head_fp8_loss_and_gradient_near_bf16(dpace):
+    """weighted_ce through HeadFP8 on the CPU near the bf16 lm_head's, but not equal (fp8_cases.check_head_fp8_loss;
+    on an SM89+ GPU: tests/gpu/test_fp8_cuda.py)."""
+    needs_scaled_mm()
+    check_head_fp8_loss("cpu", dpace)
 
 
 def test_head_fp8_refuses_a_trainable_lm_head_and_odd_shapes():
@@ -230,22 +174,3 @@ def test_head_fp8_refuses_a_trainable_lm_head_and_odd_shapes():
         weighted_ce(h.clone().requires_grad_(), head, y, w, chunk_size=32)
     with pytest.raises(AssertionError, match=r"multiples of 16, got \[500, 64\]"):
         fp8.HeadFP8(W[:500])
-
-
-@pytest.mark.job
-def test_trainer_refuses_head_fp8_for_a_vocabulary_not_a_multiple_of_16(tmp_path):
-    import json
-    target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["vocab_size"] = cfg["vocab_size"] + 1
-    (target / "config.json").write_text(json.dumps(cfg))
-    r = run(1, base_args(target, data, tmp_path / "out", HEAD_FP8=True))
-    assert r.returncode == 1 and f"[{cfg['vocab_size']}, {cfg['hidden_size']}] in multiples of 16" in r.stderr, \
-        r.stderr[-2000:]
-
-
-@pytest.mark.job
-def test_trainer_refuses_head_fp8_with_the_unchunked_loss(tmp_path):
-    target, data = make_target(tmp_path / "target"), make_dataset(tmp_path / "data")
-    r = run(1, base_args(target, data, tmp_path / "out", HEAD_FP8=True, CE_CHUNK=0))
-    assert r.returncode == 1 and "HEAD_FP8 runs in the chunked loss only" in r.stderr, r.stderr[-2000:]

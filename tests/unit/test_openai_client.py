@@ -1,93 +1,26 @@
 """data/openai_client.py without a model: URL handling, error sorting, backoff, the probe's choice of the model, and
-the pool's retries and failover, against small in-process HTTP stubs (the end-to-end runs through the project's
-real server are tests/jobs/test_endpoint.py)."""
+the pool's retries and failover, against small in-process HTTP stubs (tests/helpers/stub_server.py; the end-to-end
+runs through the project's real server are tests/jobs/test_endpoint.py, data.regenerate stopped as a process is
+tests/jobs/test_regenerate_jobs.py)."""
 import json
 import re
 import socket
 import threading
 from collections import Counter, deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from data import openai_client as oc
 from server import dead_url
+from stub_server import stubs  # noqa: F401 (a fixture)
+from synth_cases import WORDS
 
 
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
     monkeypatch.setattr(oc, "RETRY_BACKOFF_S", 0.01)
     monkeypatch.setattr(oc, "RETRY_BACKOFF_MAX_S", 0.02)
-
-
-class Stub:
-    """An OpenAI-shaped server: /v1/models lists `models`; a POST answers "<prompt>@<name>" unless `status` maps
-    its prompt (a chat's last content, a completion's prompt) to an HTTP status (then an OpenAI error body).
-    `answer(prompt, body)`, when set, gives the text instead (or an HTTP status, an int)."""
-
-    def __init__(self, name="s", models=({"id": "tgt", "max_model_len": 256},)):
-        self.name, self.models, self.status, self.seen, self.auth = name, list(models), {}, [], []
-        self.lock = threading.Lock()
-        self.answer = None
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def reply(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                stub.auth.append(self.headers.get("Authorization"))
-                if stub.status.get("models"):
-                    return self.reply(stub.status["models"], {"error": {"message": "no models here"}})
-                self.reply(200, {"object": "list", "data": stub.models})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt = body["messages"][-1]["content"] if "messages" in body else str(body["prompt"])
-                with stub.lock:
-                    stub.seen.append((self.path, body))
-                code = stub.status.get(prompt, 200)
-                if body["model"] not in [m["id"] for m in stub.models]:
-                    return self.reply(404, {"object": "error", "message": f"The model `{body['model']}` does not "
-                                                                          f"exist.", "code": 404})
-                text = stub.answer(prompt, body) if stub.answer else f"{prompt}@{stub.name}"
-                code = text if isinstance(text, int) else code
-                if code != 200:
-                    return self.reply(code, {"error": {"message": f"status {code} for {prompt}"}})
-                key = "message" if "messages" in body else "text"
-                choice = {key: {"role": "assistant", "content": text} if key == "message" else text,
-                          "finish_reason": "stop"}
-                self.reply(200, {"choices": [choice] * body.get("n", 1), "usage": {"completion_tokens": 3,
-                                                                                   "prompt_tokens": 5}})
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def stubs():
-    made = []
-
-    def make(*a, **kw):
-        made.append(Stub(*a, **kw))
-        return made[-1]
-    yield make
-    for s in made:
-        s.stop()
 
 
 def test_base_url_and_backoff():
@@ -318,21 +251,6 @@ def test_pool_stops_on_a_rejection_that_is_not_a_rows(stubs):
 # ---------------------------------------------------------------------------------------------------------------
 # data.synthesize's server path against a stub: a candidate whose request fails is rejected, in index order
 
-WORDS = ("apple river code stone light cloud music paper glass table window garden number letter planet engine "
-         "forest bridge market silver winter summer ocean castle doctor pencil rocket tunnel violin zebra").split()
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    import lzma
-    import shutil
-    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
-    d = tmp_path_factory.mktemp("qwen3_tokenizer")
-    (d / "tokenizer.json").write_bytes(lzma.open(fixture / "tokenizer.json.xz").read())
-    shutil.copy(fixture / "tokenizer_config.json", d)
-    return d
-
-
 def test_synthesize_server_errors_reject_candidates_and_resume(stubs, qwen3_dir, tmp_path):
     """The stub writes random words seeded by the request's seed and fails (HTTP 500, every try) the user turn of
     self/2 and the answer of self/4: both are rejected as server_error (self/2's wait for its turn in the opener
@@ -431,40 +349,3 @@ def test_regenerate_refuses_to_resume_rows_of_another_model_or_settings(stubs, t
     write_prompts(4)
     assert run()["todo"] == 1 and "taken as made by this run's model" in capsys.readouterr().err
     assert json.loads(regen.resume.stats_path(out).read_text())["config"]["max_new_tokens"] == 16
-
-
-@pytest.mark.job
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_regenerate_stopped_by_ctrl_c_or_sigterm_says_how_to_go_on(stubs, tmp_path, sig):
-    """A real process stopped part-way by Ctrl-C (SIGINT) or SIGTERM ends with exit status 1 and no traceback,
-    naming the rows it kept and the command that goes on; that command writes the rest, every id once."""
-    import signal
-    import subprocess
-    import sys
-    from data import regenerate as regen
-    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
-                               for i in range(8)))
-    s, proc = stubs(), []
-
-    def answer(prompt, body):
-        if prompt == "q3":
-            proc[0].send_signal(getattr(signal, sig))
-        return f"a:{prompt}"
-    s.answer = answer
-    cmd = [sys.executable, "-m", "data.regenerate", "--input", str(prompts), "--output", str(out), "--endpoint",
-           s.url, "--concurrency", "1"]
-    proc.append(subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True))
-    err = proc[0].communicate(timeout=120)[1]
-    assert proc[0].returncode == 1 and "Traceback" not in err, err
-    kept = [json.loads(x)["id"] for x in out.read_text().splitlines()]
-    assert 3 <= len(kept) < 8 and not Path(f"{out}.errors.jsonl").read_text()
-    by = "Ctrl-C" if sig == "SIGINT" else "SIGTERM"
-    assert f"stopped by {by}: {len(kept)} rows written to {out} by this run stay" in err
-    again = err.split("Run the same command again to go on:\n", 1)[1].strip()
-    assert again.endswith(" -m data.regenerate " + " ".join(cmd[3:]))
-    s.answer = None
-    assert regen.main(cmd[3:])["done_before"] == len(kept)
-    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [f"p{i}" for i in range(8)]
-

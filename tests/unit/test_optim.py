@@ -1,28 +1,13 @@
-"""trainer/optim.py: the drafter's chunked AdamW equals the plain two-group AdamW, and on CUDA the overlapped step (side
-stream, the forward waiting per chunk) equals the step after the backward, bitwise; scale_clip_ against
-mul_ + clip_grad_norm_; the LR schedule."""
+"""trainer/optim.py: the drafter's chunked AdamW equals the plain two-group AdamW (on CUDA the overlapped step, side
+stream and the forward waiting per chunk, equals the step after the backward, bitwise: tests/gpu/test_optim_cuda.py);
+scale_clip_ against mul_ + clip_grad_norm_; the LR schedule."""
 import copy
 
 import pytest
 import torch
 
-from model.attention import make_attn_spec
-from model.objective import pack
+from optim_cases import drafter_inputs
 from trainer.optim import ChunkedAdamW, make_optimizer, param_chunks, scale_clip_
-
-
-def _inputs(drafter, device, seed=0):
-    cfg = drafter.config
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([13, 9])
-    doc, pos = pack(lengths)
-    T, B = len(doc), cfg.block_size
-    anchors = torch.tensor([3, 7, 15, 18])
-    feats = torch.randn(T, cfg.num_taps * cfg.hidden_size, generator=g)
-    emb = torch.randn(len(anchors) * B, cfg.hidden_size, generator=g)
-    bpos = (pos[anchors][:, None] + torch.arange(B)).flatten()
-    attn = make_attn_spec(anchors, doc[anchors], doc, B, cfg.layer_types, cfg.sliding_window, device=device)
-    return [x.to(device) for x in (feats, pos, emb, bpos)] + [attn]
 
 
 def test_param_chunks_follow_the_forward(build_drafter, tiny_qwen3_dir):
@@ -33,7 +18,7 @@ def test_param_chunks_follow_the_forward(build_drafter, tiny_qwen3_dir):
     assert all(any(p is q for q in d.layers[i].parameters()) for i in range(3) for p in chunks[i + 1])
     calls = []
     d.params_ready = calls.append
-    d(*_inputs(d, "cpu"))
+    d(*drafter_inputs(d, "cpu"))
     assert calls == [0, 1, 2, 3, 4], "the forward announces each chunk before it first reads it, in order"
 
 
@@ -66,35 +51,6 @@ def test_chunked_adamw_equals_two_group_adamw(build_drafter, tiny_qwen3_dir):
         assert torch.equal(p, q), name
         moved += int(not torch.equal(p, build_drafter(tiny_qwen3_dir, num_layers=2, seed=1).state_dict()[name]))
     assert moved == len(params), "every parameter was updated"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
-def test_overlapped_step_equals_plain_step_on_cuda(build_drafter, tiny_qwen3_dir):
-    """Three training steps (forward, backward, clip into grad_scale, step) with the update on a side stream and
-    the forward waiting per chunk, against the same steps with the update after the backward: bitwise equal
-    losses and parameters."""
-    from trainer.optim import scale_clip_
-    dev = torch.device("cuda")
-    runs = {}
-    for overlap in (False, True):
-        d = build_drafter(tiny_qwen3_dir, num_layers=3, seed=2).to(dev)
-        opt = make_optimizer(d, 1e-2, 0.1, overlap=overlap)
-        assert opt.overlap == overlap and (d.params_ready is not None) == overlap
-        inputs = _inputs(d, dev)
-        losses = []
-        for _ in range(3):
-            loss = d(*inputs).float().square().mean()
-            loss.backward()
-            scale_clip_(list(d.parameters()), torch.ones(1, device=dev), 0.5, opt)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        opt.wait_all()
-        runs[overlap] = (torch.stack(losses), [p.detach().clone() for p in d.parameters()])
-    assert torch.equal(runs[True][0], runs[False][0])
-    assert len(set(runs[True][0].tolist())) == 3, "the parameters changed between steps"
-    for a, b in zip(runs[True][1], runs[False][1]):
-        assert torch.equal(a, b)
 
 
 def test_reads_the_former_two_group_optimizer_state(build_drafter, tiny_qwen3_dir):

@@ -1,13 +1,9 @@
 """pipe.BusyClock; pipe.Prefetcher, the one queue between a micro-batch's source and the training step (drafter ranks,
 the one-process mode and the bench), pipe.TargetAhead (the one process's compiled target forward on the main thread),
-and checkpoint.resume_point, where a resumed run continues."""
-import os
-import subprocess
-import sys
-import textwrap
+and checkpoint.resume_point, where a resumed run continues. (A signal that reaches a main thread waiting on a queue:
+tests/jobs/test_pipe_jobs.py, a process of its own.)"""
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +12,6 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
 from trainer.settings import Settings
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class Item:
@@ -137,29 +131,6 @@ def test_resume_point_moves_to_the_same_fraction_when_batching_or_data_change():
     assert "dataset changed" in rp.error and "ALLOW_DATA_CHANGE" in rp.error
     rp = ckpt.resume_point(META, data("b", num_batches=5), CFG.replace(ALLOW_DATA_CHANGE=True))   # ... unless allowed
     assert (rp.start_g, rp.planned_g, rp.error) == (3, None, None) and rp.notes[0].startswith("WARNING: dataset")
-
-
-@pytest.mark.job
-@pytest.mark.parametrize("wait", ["pipe.wake_get(queue.Queue())",
-                                  "q = queue.Queue(maxsize=1); q.put(0); pipe.wake_put(q, 1)"])
-def test_a_signal_taken_by_another_thread_still_reaches_a_waiting_main_thread(wait):
-    """The kernel may hand SIGTERM to any thread; Python runs its handler on the main thread. A main thread that
-    waits on an empty queue (a hung target forward feeds nothing) or a full one (a send that never drains) must
-    still run it: pipe.wake_get's / wake_put's timed waits. An untimed q.get() in its place keeps this process
-    waiting past the 90 s timeout (tried on CPython 3.11; 90 s, not 20: importing torch on a loaded 2-core
-    machine took over 20 s)."""
-    code = textwrap.dedent("""
-        import os, queue, signal, threading, time
-        from trainer import pipe
-        signal.signal(signal.SIGTERM, lambda *a: os._exit(7))
-        sleeper = threading.Thread(target=lambda: time.sleep(3600), daemon=True)
-        sleeper.start()
-        time.sleep(0.2)
-        signal.pthread_kill(sleeper.ident, signal.SIGTERM)
-    """) + wait
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                       capture_output=True, text=True, timeout=90)
-    assert r.returncode == 7, r.stderr[-2000:]
 
 
 def test_busy_clock_skips_the_warmup_units():

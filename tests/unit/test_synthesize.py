@@ -1,12 +1,10 @@
 """data/synthesize.py and data/filters.py: the filters count each kind of bad row; synthesize resumes into exactly the
 rows of one uninterrupted run, its decisions are those of data.filters on the same rows, and on SmolLM2 it writes
 rows that data.prepare accepts. The mechanics run on a scripted engine (text drawn from (seed, key), no model) with
-the Qwen3 tokenizer fixture, a few seconds each; the SmolLM2 test runs model/engine.py on the real model (slow: about
-25 s on the CPU, `pytest -m slow tests/unit/test_synthesize.py`)."""
-import functools
-import hashlib
+the Qwen3 tokenizer fixture, a few seconds each (tests/helpers/synth_cases.py; runs as processes, stopped and killed:
+tests/jobs/test_synthesize_jobs.py); the SmolLM2 test runs model/engine.py on the real model (slow: about 25 s on the
+CPU, `pytest -m slow tests/unit/test_synthesize.py`)."""
 import json
-import lzma
 import os
 import random
 import shutil
@@ -17,14 +15,9 @@ import pytest
 from data import filters as F
 from data import synthesize as syn
 from data.chat import render
+from synth_cases import WORDS, ScriptedEngine, by_id, cached_tokenizer, read_jsonl, scripted  # noqa: F401 (a fixture)
 
-QWEN3_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer"
 SMOLLM2_DIR = Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash")) / "smollm2-135m-instruct"
-
-WORDS = ("apple river code stone light cloud music paper glass table window garden number letter planet engine "
-         "forest bridge market silver winter summer ocean castle doctor pencil rocket tunnel violin zebra").split()
-BANK = ["explain how a rocket engine works in simple words for a child who loves planets and stars and the moon "
-        "at night please", "write a short poem about the ocean in winter when the light is silver and the wind"]
 
 
 def user(text):
@@ -33,10 +26,6 @@ def user(text):
 
 def assistant(text):
     return {"role": "assistant", "content": text}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,79 +130,9 @@ def test_near_duplicate_index_matches_brute_force_jaccard():
 # ---------------------------------------------------------------------------------------------------------------
 # synthesize's mechanics on a scripted engine
 
-class ScriptedEngine:
-    """The model.engine API with text drawn from (seed, key) alone: prompts are recorded, not read. Some draws end at
-    the stop token, some run past max_new_tokens, some copy a BANK sentence (duplicates) or loop (repetition)."""
-
-    def __init__(self, tok, seed, stop_after=True):
-        self.tok, self.seed, self.stop_after, self.prompts, self.max_new = tok, seed, stop_after, [], []
-
-    def run(self, pending, *, stop_ids, sampled=None):
-        assert stop_ids
-        while pending:
-            batch = [pending.popleft() for _ in range(min(len(pending), 3))]
-            random.Random(len(self.prompts)).shuffle(batch)  # completion order is the engine's business
-            for r in batch:
-                self.prompts.append(r.prompt)
-                self.max_new.append(r.max_new)
-                yield r, *self.draw(r.key, r.max_new)        # the consumer appends follow-ups meanwhile
-
-    def draw(self, key, max_new_tokens):
-        rng = random.Random(hashlib.sha256(f"{self.seed}/{key}".encode()).digest())
-        kind = rng.random()
-        if kind < 0.2:
-            text = rng.choice(BANK)
-        elif kind < 0.3:
-            text = rng.choice(BANK).replace("please", "now")  # a near duplicate
-        elif kind < 0.35:
-            text = "again and again " * 20
-        else:
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) + "?"
-        ids = self.tok.encode(text, add_special_tokens=False)
-        ends = self.stop_after and rng.random() < 0.85
-        return (ids, "stop") if ends and len(ids) <= max_new_tokens else (ids[:max_new_tokens], "length")
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3_tokenizer")
-    (d / "tokenizer.json").write_bytes(lzma.open(QWEN3_FIXTURE / "tokenizer.json.xz").read())
-    shutil.copy(QWEN3_FIXTURE / "tokenizer_config.json", d)
-    return d
-
-
-LOAD_TOKENIZER = syn.load_tokenizer
-
-
-@functools.cache
-def cached_tokenizer(path):
-    """Each run loads the tokenizer; the tests load it once (0.9 s for Qwen3's)."""
-    return LOAD_TOKENIZER(path)
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """Replaces the engine; -> an object with the engines made (one per run) and a `never_stop` switch."""
-    class Made:
-        engines, never_stop = [], False
-
-    def load_engine(args, max_len):
-        Made.engines.append(ScriptedEngine(syn.load_tokenizer(args.model), args.seed, stop_after=not Made.never_stop))
-        return Made.engines[-1], None
-    monkeypatch.setattr(syn, "load_engine", load_engine)
-    monkeypatch.setattr(syn, "load_tokenizer", cached_tokenizer)
-    return Made
-
-
 def synth(model, out, num, *extra):
     return syn.main(["--model", str(model), "--num", str(num), "--out", str(out), "--prompt-tokens", "24",
                      "--max-new-tokens", "16", "--batch-size", "4", *map(str, extra)])
-
-
-def by_id(path):
-    rows = read_jsonl(path)
-    assert len({r["id"] for r in rows}) == len(rows), "duplicate ids"
-    return {r["id"]: r for r in rows}
 
 
 def test_resume_equals_one_run(tmp_path, qwen3_dir, scripted):
@@ -683,56 +602,6 @@ def test_out_in_a_new_folder_and_bad_paths(tmp_path, qwen3_dir, model_dir, scrip
     with pytest.raises(SystemExit, match="--max-new-tokens 4,000.*max_position_embeddings 512"):
         syn.main(["--model", str(model_dir), "--num", "3", "--out", str(tmp_path / "o.jsonl"),
                   "--max-new-tokens", "4000"])
-
-
-CHILD = """
-import sys, time
-sys.path.insert(0, "tests/unit")
-import test_synthesize as T
-from data import synthesize as syn
-draw = T.ScriptedEngine.draw
-T.ScriptedEngine.draw = lambda self, key, n: (time.sleep(0.01), draw(self, key, n))[1]  # slow enough to stop
-syn.load_engine = lambda args, max_len: (T.ScriptedEngine(syn.load_tokenizer(args.model), args.seed), None)
-syn.main(sys.argv[1:])
-"""
-
-
-@pytest.mark.job
-@pytest.mark.slow  # ~25 s of CPU: five processes start (torch, pyarrow, datasketch imports)
-def test_stops_and_kills_resume_into_one_runs_files(tmp_path, qwen3_dir, scripted):
-    """Real processes, stopped part-way by SIGINT, SIGKILL (twice: the lock file then names a dead run) and SIGTERM:
-    each stop but the kills exits 1 with the command to go on, the final run exits 0, and both files equal those
-    of one uninterrupted run, id for id."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    out, one = tmp_path / "k.jsonl", tmp_path / "one.jsonl"
-    argv = ["--model", str(qwen3_dir), "--num", "60", "--out", str(out), "--prompt-tokens", "24",
-            "--max-new-tokens", "16", "--batch-size", "4", "--mix", "data/default/train_prompts.jsonl",
-            "--mix-ratio", "0.1"]
-    root = Path(__file__).resolve().parents[2]
-    before = None
-    for sig in (signal.SIGINT, signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
-        rows = len(read_jsonl(out)) if out.exists() else 0
-        p = subprocess.Popen([sys.executable, "-c", CHILD, *argv], cwd=root, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while (not out.exists() or len(out.read_bytes().splitlines()) < rows + 5) and time.time() < deadline:
-            time.sleep(0.05)
-        p.send_signal(sig)
-        err = p.communicate(timeout=60)[1]
-        assert 0 < len(read_jsonl(out)) < 60, err
-        assert ("names a run that is gone" in err) == (before == signal.SIGKILL), err  # the lock, taken over
-        before = sig
-        if sig == signal.SIGKILL:
-            assert p.returncode == -signal.SIGKILL
-        else:
-            assert p.returncode == 1 and f"stopped by {sig.name}. Run the same command again" in err, err
-    done = subprocess.run([sys.executable, "-c", CHILD, *argv], cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "names a run that is gone" not in done.stderr, done.stderr
-    syn.main([a if a != str(out) else str(one) for a in argv])
-    assert by_id(out) == by_id(one) and by_id(syn.rejected_path(out)) == by_id(syn.rejected_path(one))
 
 
 def test_rows_written_twice_are_refused_not_counted(tmp_path, qwen3_dir, scripted):

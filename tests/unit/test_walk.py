@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import SMOLLM2_DIR, TINY
+from conftest import SMOLLM2_DIR
 from eval_dflash import main
 from trainer.evaluate import evaluate, evaluate_drafters, report_lines
 from model.decode import (DrafterProposer, drafts_at_every_anchor, greedy_decode, greedy_references, speculative_decode,
@@ -15,21 +15,6 @@ from model.decode import (DrafterProposer, drafts_at_every_anchor, greedy_decode
 from model.export import export_drafter
 
 B = 4
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    """A tiny random Qwen3 with 8 tokens (a random drafter then often guesses right, so steps of every length
-    occur) and 3 prompts of different lengths."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("vocab8")
-    Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 8}, tie_word_embeddings=False)).save_pretrained(path)
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    g = torch.Generator().manual_seed(2)
-    rows = [{"id": f"p{i}", "category": "c", "input_ids": torch.randint(0, 7, (n,), generator=g).tolist()}
-            for i, n in enumerate((3, 11, 26))]
-    return path, model, rows
 
 
 def test_walk_steps_by_hand():
