@@ -32,6 +32,18 @@ def commands(text):
                         break
 
 
+def defined_flags(help_text: str) -> set[str]:
+    """The flags a --help defines: those opening a line of its option list (argparse's `  -h, --help`, `  --out OUT`;
+    train_dflash.py's `  --NAME=default`), not a flag a help text only mentions in its prose."""
+    return set(re.findall(r"^ {2}(?:-[A-Za-z], )?(--[A-Za-z][A-Za-z0-9_-]*)", help_text, re.M))
+
+
+def test_defined_flags_reads_the_option_column_only():
+    text = ("usage: x [-h] [--out OUT]\n\noptions:\n  -h, --help  show this\n  --out OUT   where (see --mode)\n"
+            "  --NAME=1                         [>= 1] one (python -m tools.y --logdir D)\n")
+    assert defined_flags(text) == {"--help", "--out", "--NAME"}
+
+
 def test_the_pages_name_only_flags_their_programs_have():
     found, helps, bad = 0, {}, []
     for page in PAGES:
@@ -40,7 +52,7 @@ def test_the_pages_name_only_flags_their_programs_have():
                 cmd = [sys.executable] + ([prog] if prog.endswith(".py") else ["-m", prog]) + ["--help"]
                 run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
                 assert run.returncode == 0, (prog, run.stderr[-2000:])
-                helps[prog] = set(re.findall(r"--[A-Za-z][A-Za-z0-9_-]*", run.stdout))
+                helps[prog] = defined_flags(run.stdout)
             for a in args:
                 flag = re.match(r"--[A-Za-z][A-Za-z0-9_-]*", a)
                 if flag:
