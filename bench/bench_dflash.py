@@ -3,6 +3,7 @@ nothing is written except by --write-assets.
 
     python -m bench.bench_dflash --mode target  --shape qwen3-8b [--mixed] [--compile]   # (a) target capacity, (d)
     python -m bench.bench_dflash --mode drafter --shape qwen3-8b [--mixed]               # (b) drafter capacity, (d)
+    python -m bench.bench_dflash --mode drafter --arch dflash2 [--selector-top-k 16 ...] # (b) for a DFlash2 drafter
     python -m bench.bench_dflash --mode pipeline                                         # (c) prints the commands below
     torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash --mode pipeline [--pipe-compute]   # (c), (e)
     python -m bench.bench_dflash --mode all --json bench.json                            # target + drafter (+ commands)
@@ -14,6 +15,9 @@ from_pretrained) run through model.target.target_features; the drafter's micro-b
 model.objective.prepare (micro_batch.make_prepare) on a pipe.Prefetcher, fed synthetic packets instead of the network;
 the drafter step is train_dflash's drafter_step + optimizer_step for one rank and GRAD_ACCUM=1, with the settings
 c.cfg. The transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
+--arch (DRAFTER_ARCH) picks the drafter from model.drafters.ARCHS, built as the trainer builds it (make_config with
+the DFlash2 knobs --conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k, --selector-alpha); every
+mode that runs a drafter runs either, and the JSON ("arch") and the report's header name it.
 Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) default to train_dflash's constants (read,
 never written: Context.cfg, a trainer.settings.Settings from td.defaults, holds this run's values).
 Every mode prints the planner's memory estimate (trainer/planner.py) next to the measured peak.
@@ -23,6 +27,7 @@ import functools
 import gc
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +51,8 @@ from data.batching import BatchPlan
 from model import ce_kernel, fp8, objective
 from model.attention import dflash_mask_mod, flex_kernel_options, set_flex_kernel_options, to_device, \
     warmup_flex_attention
-from model.drafter import Drafter, DrafterConfig, compile_drafter
+from model.drafter import DrafterConfig, compile_drafter
+from model.drafters import ARCHS, make_config
 from model.fp8 import convert_drafter, quantize_target
 from model.objective import micro_seed, pack, sample_anchors, set_ce_kernel
 from model.target import Target, target_features
@@ -55,6 +61,7 @@ from trainer import planner
 from trainer.micro_batch import autocast_for, make_prepare, mask_lengths
 from trainer.optim import make_optimizer
 from trainer.pipe import Packet, Prefetcher, Sender, receive
+from trainer.settings import RANGES
 
 # --- shapes -----------------------------------------------------------------------------------------------------------
 # name: family, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, rope_theta, tied embeddings, MASK id
@@ -138,11 +145,17 @@ def build_target(hf_cfg, layer_ids, device, dtype, attn_implementation=None, com
 
 
 def build_drafter(dcfg, device, seed=0):
-    """model.drafter.Drafter in fp32 (the master weights), initialised on `device` like Drafter._init_weights."""
+    """The drafter of dcfg's arch (model.drafters.ARCHS: the row whose config class dcfg is, so a DrafterConfig
+    builds a DFlash Drafter, a DFlash2Config a DFlash2Drafter) in fp32 (the master weights), initialised on
+    `device` like Drafter._init_weights; a DFlash2 drafter's convolutions and selector then at their own init
+    (identity convolutions, zero transition: reset_dflash2), as the trainer's drafter starts."""
+    arch = next(a for a in ARCHS.values() if type(dcfg) is a.config)
     with torch.device("meta"):
-        d = Drafter(dcfg)
+        d = arch.drafter(dcfg)
     d.to_empty(device=device)
     _init_random_(d, seed)
+    if hasattr(d, "reset_dflash2"):
+        d.reset_dflash2()
     return d
 
 
@@ -241,16 +254,28 @@ def visible_pairs(positions, anchors, B) -> int:
     return int(B * (positions[anchors] + B).sum())
 
 
-def drafter_flops(s, L, K, T, M, R, pairs) -> dict:
+def drafter_flops(s, L, K, T, M, R, pairs, dcfg=None) -> dict:
     """Training FLOPs of one drafter step. Weights on block tokens: 6/param/token. fc on the context: forward +
     weight grad only (features need no grad) = 4. k/v projections on the context: 6. Attention: 4 per visible pair
-    per head_dim per head forward, twice that backward. lm_head is frozen: forward + grad to the hidden = 4."""
+    per head_dim per head forward, twice that backward. lm_head is frozen: forward + grad to the hidden = 4.
+    dcfg a DFlash2Config: also its convolutions and selector (dflash2_flops)."""
     out = {"layers on block tokens": 6 * L * linear_params_per_layer(s) * M,
            "fc + k/v on context": 4 * K * s.H * s.H * T + 6 * L * 2 * s.H * s.kvd * T,
            "attention": 12 * s.nh * s.D * pairs * L,
            "lm_head + CE": 4 * R * s.H * s.V}
+    if dcfg is not None and hasattr(dcfg, "selector_top_k"):
+        out["dflash2 convolutions + selector"] = dflash2_flops(s, dcfg, L, M, R)
     out["total"] = sum(out.values())
     return out
+
+
+def dflash2_flops(s, dcfg, L, M, R) -> float:
+    """A DFlash2 drafter's matmuls beyond DFlash's (model/dflash2.py), training: per layer two kernel_projections
+    [H -> 2 x taps x G] on the block rows (6/param/token); on the supervised rows the selector's hidden_projection
+    [H -> r] (6), the K candidates' unary logits from frozen lm_head rows (forward + grad to the hidden = 4 x K x H)
+    and the bilinear [K, r] scores (6 x K x r). The convolutions' elementwise taps are left out, as norms are."""
+    taps, G, r, k = dcfg.conv_kernel_size, dcfg.conv_groups, dcfg.selector_rank, dcfg.selector_top_k
+    return 6 * L * 2 * s.H * 2 * taps * G * M + R * (6 * s.H * r + 4 * k * s.H + 6 * k * r)
 
 
 # --- (a) target capacity ----------------------------------------------------------------------------------------------
@@ -342,11 +367,12 @@ class DrafterRig:
         self.opt = make_optimizer(self.drafter, c.cfg.LR, c.cfg.WEIGHT_DECAY, overlap=overlap)
         self.autocast = autocast_for(c.device, c.dtype)
         self.step_w = torch.zeros(1, device=c.device, dtype=torch.float64)
+        self.sums = None          # the last step's MicroBatchSums, on the device (read after the timing only)
 
     def step(self, item, probe=None, saved_hooks=None):
         """The trainer's step for one drafter rank, GRAD_ACCUM=1: train_dflash.drafter_step + optimizer_step."""
-        sums = drafter_step(self.drafter, self.embed, self.head_w, item, self.c.dcfg.block_size, self.autocast,
-                            self.c.cfg, probe=probe, saved_hooks=saved_hooks)
+        sums = self.sums = drafter_step(self.drafter, self.embed, self.head_w, item, self.c.dcfg.block_size,
+                                        self.autocast, self.c.cfg, probe=probe, saved_hooks=saved_hooks)
         self.step_w += sums.objective_w
         optimizer_step(self.params, self.opt, self.step_w, self.c.cfg.GRAD_CLIP)
         if probe:
@@ -449,6 +475,7 @@ def bench_drafter(args, c) -> dict:
         rig.opt.wait_all()      # the last step's overlapped update is inside the timed span
         dt = timer.stop()
         peak = c.peak_mem()
+        arch = arch_figures(rig)
         phases, saved = instrumented_step(rig, feeder, c)
         prof = profile(args.profile, lambda: rig.step(feeder.get()), c, trace=args.trace)
     finally:
@@ -458,14 +485,14 @@ def bench_drafter(args, c) -> dict:
     for g, n, loss_mask, T, N, R in items:
         _, positions, anchors = packet_anchors(n, loss_mask, g, c.cfg)
         assert len(anchors) == N, "anchor draw differs from make_prepare's"
-        f = drafter_flops(c.sizes, L, K, T, N * B, R, visible_pairs(positions, anchors, B))
+        f = drafter_flops(c.sizes, L, K, T, N * B, R, visible_pairs(positions, anchors, B), c.dcfg)
         flops = {k: flops.get(k, 0) + v for k, v in f.items()}
         samples += len(n)
         tokens += T
     steps = len(items)
     blocks = sum(i[4] for i in items)
-    out = {"build_s": build_s, "flex_compile_s": compile_s, "warmup_s": warmup_s, "steps": steps, "seconds": dt,
-           "ms_per_step": 1e3 * dt / steps, "samples_s": samples / dt, "tok_s": tokens / dt,
+    out = {**arch, "build_s": build_s, "flex_compile_s": compile_s, "warmup_s": warmup_s, "steps": steps,
+           "seconds": dt, "ms_per_step": 1e3 * dt / steps, "samples_s": samples / dt, "tok_s": tokens / dt,
            "anchors_per_step": blocks / steps, "blocks_per_1k_tokens": 1e3 * blocks / tokens,
            "blocks_per_sequence": blocks / samples,
            "supervised_rows_per_step": sum(i[5] for i in items) / steps,
@@ -482,6 +509,18 @@ def bench_drafter(args, c) -> dict:
     del rig, feeder
     c.free()
     return out
+
+
+def arch_figures(rig) -> dict:
+    """What tells the drafters apart in a result: the arch, its parameters, and (a drafter with a candidate selector)
+    the last timed step's selector metrics, proof that its loss ran: recall@K of the unary top-K, the teacher-forced
+    selector's accuracy, the walk's streak (the trainer's sel_recall, sel_acc, sel_streak)."""
+    m = rig.sums
+    sel = None
+    if float(m.sel_den) > 0:
+        sel = {"sel_recall": float(m.sel_recall_num / m.sel_den), "sel_acc": float(m.sel_tf_acc_num / m.sel_den),
+               "sel_streak": float(m.path_streak_num / m.path_streak_den.clamp(min=1))}
+    return {"arch": rig.drafter.arch, "drafter_params": sum(p.numel() for p in rig.params), "selector": sel}
 
 
 # --- (b') flex_attention kernel options at the drafter's mask ------------------------------------------------------
@@ -682,19 +721,27 @@ class _Arrived:
 
 
 def pipeline_commands(args) -> list[str]:
+    """The pipeline's commands at this shape and arch: the bench under torchrun, and train_dflash.py itself (a
+    DFlash2 drafter's results and run folder named for it)."""
     shape = f"--shape {args.shape} --seq {args.seq} --batch {args.batch} --anchors {args.anchors} " \
             f"--block {args.block} --layers {args.layers}" + (" --mixed" if args.mixed else "")
+    knobs = {name: getattr(args, name.lower()) for name in DFLASH2_FLAGS if getattr(args, name.lower()) is not None}
+    arch = sfx = trainer_arch = ""
+    if args.arch != "dflash":
+        arch = f" --arch {args.arch}" + "".join(f" {DFLASH2_FLAGS[name]} {v}" for name, v in knobs.items())
+        sfx = f"_{args.arch}"
+        trainer_arch = f"--DRAFTER_ARCH={args.arch} " + "".join(f"--{name}={v} " for name, v in knobs.items())
     env = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-    tr = f"{env}torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash --mode pipeline {shape} --steps 20"
+    tr = f"{env}torchrun --standalone --nproc-per-node 2 -m bench.bench_dflash --mode pipeline {shape}{arch} --steps 20"
     assets = ASSETS_DIR
-    return [f"{tr} --json pipeline_transport.json",
-            f"{tr} --pipe-compute --json pipeline_compute.json",
+    return [f"{tr} --json pipeline_transport{sfx}.json",
+            f"{tr} --pipe-compute --json pipeline_compute{sfx}.json",
             f"python -m bench.bench_dflash --write-assets {assets} {shape} && {env}torchrun --standalone "
             f"--nproc-per-node 2 train_dflash.py --TARGET={assets}/target --DATA={assets}/data "
             f"--MASK_TOKEN_ID={SHAPES[args.shape][-1]} --TARGET_RANKS=1 --NUM_DRAFT_LAYERS={args.layers} "
             f"--BLOCK_SIZE={args.block} --MAX_ANCHORS={args.anchors} --TOKEN_BUDGET={args.batch * args.seq} "
-            f"--MAX_STEPS=60 --LOG_EVERY=10 --SAVE_EVERY=1000000 --KEEP_LAST=1 "
-            f"--OUT_DIR=runs/bench_pipeline --RESUME=scratch"]
+            f"{trainer_arch}--MAX_STEPS=60 --LOG_EVERY=10 --SAVE_EVERY=1000000 --KEEP_LAST=1 "
+            f"--OUT_DIR=runs/bench_pipeline{sfx} --RESUME=scratch"]
 
 
 def bench_pipeline(args, c) -> dict:
@@ -844,12 +891,29 @@ def report(res, c) -> str:
     return "\n".join(lines)
 
 
+def arch_knobs(c) -> dict:
+    """The settings of c that shape its arch's drafter and loss beyond DFlash's: the DFlash2 knobs (none for
+    DFlash)."""
+    return {name: getattr(c, name) for name in DFLASH2_FLAGS} if c.DRAFTER_ARCH == "dflash2" else {}
+
+
+def arch_label(c) -> str:
+    """The drafter arch as the report's header names it: "dflash", or "dflash2 (conv 2 taps / group 16, selector
+    rank 256 top-16, alpha 1)"."""
+    if c.DRAFTER_ARCH != "dflash2":
+        return c.DRAFTER_ARCH
+    return (f"dflash2 (conv {c.CONV_KERNEL_SIZE} taps / group {c.CONV_GROUP_SIZE}, selector rank {c.SELECTOR_RANK} "
+            f"top-{c.SELECTOR_TOP_K}, alpha {c.SELECTOR_ALPHA:g})")
+
+
 def _report_header(res, c, work) -> list[str]:
-    """The shape, the drafter, the software and the matmul peak the MFU figures are read against."""
+    """The shape, the drafter (its arch first), the software and the matmul peak the MFU figures are read
+    against."""
     a = res["args"]
     return [f"## DFlash bench: {a['shape']}, {a['batch']} x {a['seq']} tokens "
             f"({'mixed ' + str(a['min_len']) + '..' + str(a['seq']) if a['mixed'] else 'fixed'}), drafter "
-            f"L={a['layers']} B={a['block']} anchors={a['anchors']} ({work}) taps={c.dcfg.target_layer_ids}",
+            f"{arch_label(c.cfg)} L={a['layers']} B={a['block']} anchors={a['anchors']} ({work}) "
+            f"taps={c.dcfg.target_layer_ids}",
             f"{res['env']['device']}, torch {res['env']['torch']}, transformers {res['env']['transformers']}, "
             f"{str(c.dtype).removeprefix('torch.')}, drafter attention {'flex' if c.flex else 'sdpa'}"
             + (f"; matmul peak {res['peak_tflops']:.4g} TFLOP/s measured ({DATASHEET_TFLOPS:g} datasheet)"
@@ -1002,7 +1066,9 @@ def _est_term(role, short):
 
 
 def _est_acts(role):
-    return sum(_est_term(role, s) for s in ("block acts", "kv acts", "ctx+out acts", "CE rows"))
+    """The activation terms (the arch's own included: zero for DFlash) that saved_bytes' activations measure."""
+    return sum(_est_term(role, s) for s in ("block acts", "kv acts", "ctx+out acts", "CE rows", "arch acts",
+                                            "arch loss"))
 
 
 def _vs(measured, role_est):
@@ -1025,20 +1091,27 @@ class Context:
         self.dtype = torch.bfloat16 if cuda else torch.float32       # train_dflash's DTYPE=auto
         self.flex = cuda                                              # train_dflash's ATTN=auto
         # the trainer's settings (its constants' defaults), with those that shape a micro-batch set as given
-        given = {name: getattr(args, name.lower()) for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH")
+        given = {name: getattr(args, name.lower()) for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH", *DFLASH2_FLAGS)
                  if getattr(args, name.lower()) is not None}
         self.cfg = td.defaults(MAX_ANCHORS=args.anchors, BLOCK_SIZE=args.block, NUM_DRAFT_LAYERS=args.layers,
                                TOKEN_BUDGET=args.batch * args.seq, TARGET_RANKS=1,
                                DTYPE="bfloat16" if cuda else "float32", ATTN="flex" if self.flex else "sdpa",
-                               COMPILE_DRAFTER=args.compile_drafter, **given)
+                               COMPILE_DRAFTER=args.compile_drafter, DRAFTER_ARCH=args.arch, **given)
         self.max_len = args.seq                                       # the planner's bound on the target's mask
         if args.flex_options and args.mode != "flex":
             set_flex_kernel_options(json.loads(args.flex_options))
         self.hf = hf_config(args.shape)
         self.mask_id = SHAPES[args.shape][-1]
         self.sizes = planner.model_sizes(self.hf)
-        self.dcfg = DrafterConfig.from_target(self.hf, args.layers, args.block, self.mask_id,
-                                              num_taps=self.cfg.NUM_TAPS or None)
+        dcfg = DrafterConfig.from_target(self.hf, args.layers, args.block, self.mask_id,
+                                         num_taps=self.cfg.NUM_TAPS or None)
+        errs = arch_errors(self.cfg, self.sizes, args.shape)
+        if errs:
+            sys.exit("error: " + "; ".join(errs))
+        c = self.cfg       # the trainer's drafter_config: the arch's config from the DFlash one
+        self.dcfg = make_config(c.DRAFTER_ARCH, dcfg, conv_kernel_size=c.CONV_KERNEL_SIZE,
+                                conv_group_size=c.CONV_GROUP_SIZE, selector_rank=c.SELECTOR_RANK,
+                                selector_top_k=c.SELECTOR_TOP_K)
         self.peak_tflops = None
 
     def sync(self):
@@ -1064,6 +1137,40 @@ class Context:
     def mfu(self, tflops):
         return {"mfu_measured": tflops / self.peak_tflops if self.peak_tflops else float("nan"),
                 "mfu_datasheet": tflops / DATASHEET_TFLOPS}
+
+
+# the DFlash2 knobs: train_dflash's constant -> the bench's flag (default: the constant, through td.defaults)
+DFLASH2_FLAGS = {"CONV_KERNEL_SIZE": "--conv-kernel-size", "CONV_GROUP_SIZE": "--conv-group-size",
+                 "SELECTOR_RANK": "--selector-rank", "SELECTOR_TOP_K": "--selector-top-k",
+                 "SELECTOR_ALPHA": "--selector-alpha"}
+
+
+def arch_errors(c, sizes, shape) -> list[str]:
+    """What train_dflash's check_config (trainer/settings.py) refuses for DRAFTER_ARCH=dflash2, in the bench's
+    flags: a knob below its range, a convolution group that does not divide the hidden size, more selector candidates
+    than the vocabulary, more taps than BLOCK_SIZE. The trainer refuses no mode with dflash2 (DRAFTER_FP8,
+    HEAD_FP8, COMPILE_DRAFTER all run it), so neither does the bench."""
+    if c.DRAFTER_ARCH != "dflash2":
+        return []
+    errs = []
+    for name, flag in DFLASH2_FLAGS.items():
+        lo, strict = RANGES[name]
+        v = getattr(c, name)
+        if not math.isfinite(v) or (v <= lo if strict else v < lo):
+            errs.append(f"{flag} {v} ({name}) must be {'>' if strict else '>='} {lo:g}")
+    if errs:
+        return errs
+    H, V = sizes.H, sizes.V
+    if H % c.CONV_GROUP_SIZE:
+        errs.append(f"{DFLASH2_FLAGS['CONV_GROUP_SIZE']} {c.CONV_GROUP_SIZE} (CONV_GROUP_SIZE) does not divide the "
+                    f"hidden size {H} of --shape {shape}: pick a divisor, e.g. --conv-group-size {math.gcd(H, 16)}")
+    if c.SELECTOR_TOP_K > V:
+        errs.append(f"--selector-top-k {c.SELECTOR_TOP_K} (SELECTOR_TOP_K) exceeds the vocabulary of --shape {shape} "
+                    f"({V} tokens): set --selector-top-k {min(16, V)}")
+    if c.CONV_KERNEL_SIZE > c.BLOCK_SIZE:
+        errs.append(f"--conv-kernel-size {c.CONV_KERNEL_SIZE} (CONV_KERNEL_SIZE) exceeds --block {c.BLOCK_SIZE} "
+                    f"(a tap never crosses a block): set --conv-kernel-size to at most {c.BLOCK_SIZE}")
+    return errs
 
 
 def environment(c) -> dict:
@@ -1118,6 +1225,18 @@ def parse_args(argv):
                                                         "as Target.from_pretrained gets it)")
     ap.add_argument("--pipe-compute", action="store_true", help="pipeline: real target forward and drafter step")
     ap.add_argument("--ce-chunk", type=int, default=None, help="CE_CHUNK (default: train_dflash's)")
+    ap.add_argument("--arch", choices=list(ARCHS), default="dflash",
+                    help="DRAFTER_ARCH: the drafter the step trains (model/drafters.py ARCHS) [dflash]")
+    ap.add_argument("--conv-kernel-size", type=int, default=None,
+                    help="CONV_KERNEL_SIZE, --arch dflash2 (default: train_dflash's)")
+    ap.add_argument("--conv-group-size", type=int, default=None,
+                    help="CONV_GROUP_SIZE, --arch dflash2 (default: train_dflash's)")
+    ap.add_argument("--selector-rank", type=int, default=None,
+                    help="SELECTOR_RANK, --arch dflash2 (default: train_dflash's)")
+    ap.add_argument("--selector-top-k", type=int, default=None,
+                    help="SELECTOR_TOP_K, --arch dflash2 (default: train_dflash's)")
+    ap.add_argument("--selector-alpha", type=float, default=None,
+                    help="SELECTOR_ALPHA, --arch dflash2 (default: train_dflash's)")
     ap.add_argument("--q-hs", type=int, default=None, help="Q_HS (default: train_dflash's)")
     ap.add_argument("--send-depth", type=int, default=None, help="SEND_DEPTH (default: train_dflash's)")
     ap.add_argument("--flex-options", default=None, metavar="JSON",
@@ -1135,6 +1254,10 @@ def parse_args(argv):
             setattr(args, k, v)
     if args.mixed and not 2 <= args.min_len <= args.seq:
         ap.error(f"--min-len {args.min_len} must be in 2..--seq {args.seq}")
+    knobs = [flag for name, flag in DFLASH2_FLAGS.items() if getattr(args, name.lower()) is not None]
+    if knobs and args.arch != "dflash2":
+        ap.error(f"{', '.join(knobs)} {'is a DFlash2 knob' if len(knobs) == 1 else 'are DFlash2 knobs'}, and --arch "
+                 f"is {args.arch}: add --arch dflash2")
     return args
 
 
@@ -1166,9 +1289,10 @@ def run(args) -> dict:
     env = environment(c)
     gpu_mem = env["gpu_mem_bytes"]
     plan = planner.estimate(c.cfg, c.hf, world_gpus=2, gpu_mem_bytes=gpu_mem, max_len=c.max_len)
-    res = {"args": vars(args), "env": env, "settings": {k: getattr(c.cfg, k) for k in
+    res = {"arch": c.cfg.DRAFTER_ARCH, "args": vars(args), "env": env, "settings": {k: getattr(c.cfg, k) for k in
            ("TOKEN_BUDGET", "MAX_ANCHORS", "BLOCK_SIZE", "NUM_DRAFT_LAYERS", "CE_CHUNK", "Q_HS", "SEND_DEPTH",
-            "GAMMA", "MAX_BATCH_SIZE")}, "target_layer_ids": c.dcfg.target_layer_ids,
+            "GAMMA", "MAX_BATCH_SIZE", "DRAFTER_ARCH", *arch_knobs(c.cfg))},
+           "target_layer_ids": c.dcfg.target_layer_ids,
            "plan_full": plan, "plan": {k: v for k, v in plan.items() if not k.startswith("_")}}
     modes = ["target", "drafter", "pipeline"] if args.mode == "all" else [args.mode]
     if "target" in modes or "drafter" in modes:

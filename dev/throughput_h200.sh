@@ -5,16 +5,18 @@
 #             the export's AutoModel load, and with 2 GPUs the NCCL trainer test
 #   drafter   the drafter step, 40 steps, compiled layers, at 512 and at 2,048 blocks per 4 x 3072 (42 and 167
 #             blocks per 1K tokens: this project's default and SpecForge's density)
+#   dflash2   the same drafter step with a DFlash2 drafter (--arch dflash2 at train_dflash's CONV_* / SELECTOR_*):
+#             step time and peak beside drafter's, same shape, same flags
 #   target    the target feature forward, compiled, 4 x 3072
 #   fp8       bench/fp8_h200.py: bf16 and FP8 peaks, TARGET_FP8 / DRAFTER_FP8, the one-process trainer at 2,048
 #             blocks with COMPILE_TARGET
 #   trainer   train_dflash.py at the benchmark shape (dev/trainer_h200.sh: one process on one GPU, 1 + N-1 on N)
-#   ONLY="drafter target" bash dev/throughput_h200.sh [OUT]
+#   ONLY="drafter dflash2" bash dev/throughput_h200.sh [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/throughput}
 PY=${PY:-python3}
-ONLY=${ONLY:-tests drafter target fp8 trainer}
+ONLY=${ONLY:-tests drafter dflash2 target fp8 trainer}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=1
 mkdir -p "$OUT"
@@ -32,11 +34,16 @@ for step in $ONLY; do
                      $PY -m bench.bench_dflash --mode drafter --compile-drafter layers --steps 40 --anchors $a \
                          --json "$OUT/drafter_$a.json" 2>&1 | tee "$OUT/drafter_$a.txt" | grep -v "Loading weights" | tail -12
                  done ;;
+        dflash2) for a in 512 2048; do
+                     $PY -m bench.bench_dflash --mode drafter --arch dflash2 --compile-drafter layers --steps 40 \
+                         --anchors $a --json "$OUT/drafter_dflash2_$a.json" 2>&1 | \
+                         tee "$OUT/drafter_dflash2_$a.txt" | grep -v "Loading weights" | tail -12
+                 done ;;
         target)  $PY -m bench.bench_dflash --mode target --compile --json "$OUT/target.json" 2>&1 | \
                      tee "$OUT/target.txt" | grep -v "Loading weights" | tail -8 ;;
         fp8)     $PY -m bench.fp8_h200 --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.txt" | tail -30 ;;
         trainer) MODES=layers bash dev/trainer_h200.sh "${ASSETS:-runs/bench_assets}" "$OUT/trainer" 2>&1 | \
                      tee "$OUT/trainer.txt" | grep "step=\|done\|error" | tail -8 ;;
-        *) echo "unknown step $step (tests drafter target fp8 trainer)"; exit 2 ;;
+        *) echo "unknown step $step (tests drafter dflash2 target fp8 trainer)"; exit 2 ;;
     esac
 done

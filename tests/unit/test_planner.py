@@ -6,6 +6,7 @@ import torch
 
 import train_dflash as td
 from bench import bench_dflash as bd
+from model.drafters import ARCHS
 from trainer import planner
 from runs import trainer_cfg
 
@@ -29,6 +30,51 @@ def test_bench_fixed_shapes_in_process(capsys):
     assert d["tok_s"] == pytest.approx(d["samples_s"] * 64)                          # 4 x 64 tokens
     assert "| drafter | ms per step" in capsys.readouterr().out
     assert td.MAX_ANCHORS == 2048 and td.TOKEN_BUDGET == 16384, "the bench never writes the trainer's constants"
+
+
+def test_bench_times_a_dflash2_drafter(capsys):
+    """--arch dflash2: the step trains the DFlash2 drafter model.drafters.ARCHS builds (its selector's metrics come
+    back, its extra parameters are the planner's memory_terms'), and the JSON and the header name the arch; the
+    default stays DFlash, on the same micro-batches, with DFlash's figures only."""
+    argv = ["--shape", "tiny", "--mode", "drafter", "--steps", "2", "--warmup", "1", "--cpu"]
+    base = bd.main(argv)
+    assert "drafter dflash L=2 B=4" in capsys.readouterr().out
+    two = bd.main([*argv, "--arch", "dflash2"])
+    out = capsys.readouterr().out
+    d, d2 = base["drafter"], two["drafter"]
+    assert base["arch"] == d["arch"] == base["settings"]["DRAFTER_ARCH"] == "dflash" and d["selector"] is None
+    assert two["arch"] == d2["arch"] == two["settings"]["DRAFTER_ARCH"] == "dflash2"
+    assert "drafter dflash2 (conv 2 taps / group 16, selector rank 256 top-16, alpha 1) L=2 B=4" in out
+    assert {k: two["settings"][k] for k in bd.DFLASH2_FLAGS} == {k: getattr(td, k) for k in bd.DFLASH2_FLAGS}
+    c = bd.Context(bd.parse_args([*argv, "--arch", "dflash2"]))
+    assert type(bd.build_drafter(c.dcfg, torch.device("cpu"))) is ARCHS["dflash2"].drafter
+    extra = ARCHS["dflash2"].drafter.memory_terms(c.sizes.H, c.sizes.V, 2, 0, 0, 0, c.cfg)["params"]
+    assert d2["drafter_params"] == d["drafter_params"] + extra > d["drafter_params"]
+    assert d2["selector"] and 0 <= d2["selector"]["sel_acc"] <= d2["selector"]["sel_recall"] <= 1
+    # the same micro-batches: the DFlash terms agree, DFlash2 adds its own (FLOPs, memory)
+    dflash_terms = ["layers on block tokens", "fc + k/v on context", "attention", "lm_head + CE"]
+    assert list(d["tflop_per_step"]) == [*dflash_terms, "total"]
+    assert {k: d2["tflop_per_step"][k] for k in dflash_terms} == {k: d["tflop_per_step"][k] for k in dflash_terms}
+    assert d2["tflop_per_step"]["dflash2 convolutions + selector"] > 0
+    assert d2["supervised_rows_per_step"] == d["supervised_rows_per_step"]
+    shorts = lambda res: {t["short"] for t in res["plan"]["roles"]["drafter"]["terms"]}   # noqa: E731
+    assert "arch acts" not in shorts(base) and {"arch acts", "arch loss"} <= shorts(two)
+    assert two["plan"]["roles"]["drafter"]["total"] > base["plan"]["roles"]["drafter"]["total"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--arch", "dflash2", "--conv-group-size", "24"], "--conv-group-size 24 (CONV_GROUP_SIZE) does not divide"),
+    (["--arch", "dflash2", "--selector-top-k", "200"], "--selector-top-k 200 (SELECTOR_TOP_K) exceeds the vocabulary"),
+    (["--arch", "dflash2", "--conv-kernel-size", "8"], "--conv-kernel-size 8 (CONV_KERNEL_SIZE) exceeds --block 4"),
+    (["--arch", "dflash2", "--selector-rank", "0"], "--selector-rank 0 (SELECTOR_RANK) must be >= 1"),
+    (["--selector-top-k", "8"], "--selector-top-k is a DFlash2 knob, and --arch is dflash: add --arch dflash2"),
+], ids=["group", "top-k", "taps", "rank", "knob-without-arch"])
+def test_bench_refuses_what_the_trainer_refuses_for_dflash2(flags, says, capsys):
+    """What check_config refuses for DRAFTER_ARCH=dflash2, refused before anything is built, in the bench's flags;
+    a DFlash2 knob without --arch dflash2 too (it would time a DFlash drafter)."""
+    with pytest.raises(SystemExit) as e:
+        bd.Context(bd.parse_args(["--shape", "tiny", "--cpu", *flags]))
+    assert says in str(e.value.code) + capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama_tied"])
