@@ -116,7 +116,7 @@ def test_run_streams_follow_ups_and_mixes_temperatures():
         list(engine.run(deque([Request([1, 2], 3, 0.0), Request([3], 3, 0.5)]), stop_ids=[], sampled=False))
 
 
-@pytest.mark.slow  # ~20 s: one torch.compile of the sampler (on the GPU run by bench/throughput_h200.sh's tests)
+@pytest.mark.slow  # ~20 s: one torch.compile of the sampler (on the GPU run by dev/throughput_h200.sh's tests)
 def test_compiled_sampler_draws_what_the_eager_one_draws():
     """compile_sampler=True: the decode step's fused draw gives the same sampled and greedy rows as the eager one
     (CUDA graphs on when a GPU is there), so it is only a speed switch."""
