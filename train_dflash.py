@@ -31,7 +31,7 @@ from model.drafters import SELECTOR_METRICS, arch_of, unwrap
 from model.drafter import Drafter, DrafterConfig
 from model.objective import block_metrics, decay_weighted, micro_seed
 from trainer import checkpoint as ckpt
-from trainer import evaluate as measure
+from trainer import evaluate
 from trainer import settings
 from trainer.micro_batch import MicroBatchSums, autocast_for
 from trainer.optim import lr_at, scale_clip_
@@ -183,24 +183,24 @@ def main(argv):
     c = constants()   # frozen: every phase below reads the run's settings from it
     d = Dist(c)
     log(f"[rank {d.rank} {d.role}] {d}")
-    out_dir = Path(OUT_DIR)
+    out_dir = Path(c.OUT_DIR)
     ck_root = out_dir / "checkpoints"
     watchdog = start_watchdog(c, d)
     stop_flag = on_signals(f"[rank {d.rank} {d.role}]", watchdog, ck_root, log)
     try:
         # 1. settings that need the target's config and tokenizer, the data: all checked before any model loads
         c, dcfg, hf_cfg, eval_setup = drafter_config(c, d)
-        init_notes = settings.check_init_from(c, dcfg) if INIT_FROM else []
+        init_notes = settings.check_init_from(c, dcfg) if c.INIT_FROM else []
         data = load_data(c, d, hf_cfg, watchdog)
         # 2. where to start, and the schedule from there
         resume_path = choose_resume(c, d, watchdog, out_dir, ck_root)
-        fingerprint = ckpt.target_fingerprint(TARGET)
+        fingerprint = ckpt.target_fingerprint(c.TARGET)
         rp = resume(c, d, watchdog, resume_path, data, dcfg, fingerprint)
         sched = schedule(c, d, data, rp)
         total_steps = rp.step + sched.steps
         if d.is_master:
             log_plan(d, c, given, data, sched, dcfg, rp.step, total_steps, resume_path, init_notes)
-        if DRY_RUN:
+        if c.DRY_RUN:
             if d.is_master:
                 log("DRY_RUN: config and data are fine; exiting before loading any model")
             finish(d, watchdog, code=0)
@@ -235,9 +235,9 @@ def train(run):
     """The drafter rank's loop: per optimizer step, its LR, GRAD_ACCUM micro-batches (each a drafter_step, below),
     the optimizer_step, then stop? log? save?, until the schedule ends or a signal asks to stop. run: a Run (the
     end of this file), what main's phases built."""
-    d, B = run.d, run.dcfg.block_size
+    c, d, B = run.c, run.d, run.dcfg.block_size
     if d.is_master:
-        run.metrics = Metrics(Path(OUT_DIR), run.c)
+        run.metrics = Metrics(Path(c.OUT_DIR), c)
         if run.watchdog:
             run.watchdog.on_abort.append(run.metrics.flush)
     autocast = autocast_for(d.device, d.dtype)
@@ -252,10 +252,10 @@ def train(run):
         log(f"[rank {d.rank} {d.role}] waiting for the first micro-batch (target warm-up, queues filling) ...")
     first = True
     while run.step < run.total_steps:
-        lr = lr_at(run.g_at(run.step), run.sched.planned_g, LR, WARMUP_RATIO)
+        lr = lr_at(run.g_at(run.step), run.sched.planned_g, c.LR, c.WARMUP_RATIO)
         for group in run.opt.param_groups:
             group["lr"] = lr
-        for m in range(GRAD_ACCUM):
+        for m in range(c.GRAD_ACCUM):
             item = run.feed.get()
             if first:
                 first = False
@@ -263,28 +263,28 @@ def train(run):
             if run.watchdog:
                 run.watchdog.state = f"training step {run.step + 1} micro-batch g={item.g}"
             t0 = clock.start()
-            sums = drafter_step(run.model, run.embed, run.head_w, item, B, autocast, run.c,
-                                sync=m == GRAD_ACCUM - 1 or d.n_drafters == 1)
-            if m < GRAD_ACCUM - 1:
+            sums = drafter_step(run.model, run.embed, run.head_w, item, B, autocast, c,
+                                sync=m == c.GRAD_ACCUM - 1 or d.n_drafters == 1)
+            if m < c.GRAD_ACCUM - 1:
                 clock.stop(t0, item.tokens)
             else:                                      # the step's last micro-batch: its busy time ends after the
                 last_unit = (t0, item.tokens)          # optimizer, which is part of the drafter's per-step cost
             step_w += sums.objective_w
             meter.sums += torch.stack(sums)
             micro_batch_done(run, meter, item)
-        optimizer_step(params, run.opt, step_w, GRAD_CLIP, d.n_drafters, d.drafters)
+        optimizer_step(params, run.opt, step_w, c.GRAD_CLIP, d.n_drafters, d.drafters)
         clock.stop(*last_unit)
         run.step += 1
         stopping = stop_requested(run)
         now = time.time()
-        log_now = run.step - meter.step_at_log >= LOG_EVERY or now - meter.t_log >= LOG_SECONDS or \
+        log_now = run.step - meter.step_at_log >= c.LOG_EVERY or now - meter.t_log >= c.LOG_SECONDS or \
             run.step == run.total_steps or stopping
         if d.n_drafters > 1:   # every drafter must join the metric all-reduce: agree on when via the step count
-            log_now = run.step % LOG_EVERY == 0 or run.step == run.total_steps or stopping
+            log_now = run.step % c.LOG_EVERY == 0 or run.step == run.total_steps or stopping
         if log_now:
             status_line(run, meter, params, lr, now)
-        writes = d.is_master or DRAFTER_SHARDING == "fsdp"   # sharded: every drafter rank writes its shard
-        if writes and (run.step % SAVE_EVERY == 0 or run.step == run.total_steps or stopping):
+        writes = d.is_master or c.DRAFTER_SHARDING == "fsdp"   # sharded: every drafter rank writes its shard
+        if writes and (run.step % c.SAVE_EVERY == 0 or run.step == run.total_steps or stopping):
             t_pause = time.time()
             save_checkpoint(run)
             meter.t_log += time.time() - t_pause   # checkpoint and evaluation time is not training throughput
@@ -359,8 +359,9 @@ def first_micro_batch(run, meter):
 
 
 def micro_batch_done(run, meter, item):
-    if DUMP_BATCHES and item.g < DUMP_BATCHES:   # exactly what arrived, for checking the transport
-        dump = Path(OUT_DIR) / "dump"
+    c = run.c
+    if c.DUMP_BATCHES and item.g < c.DUMP_BATCHES:   # exactly what arrived, for checking the transport
+        dump = Path(c.OUT_DIR) / "dump"
         dump.mkdir(parents=True, exist_ok=True)
         torch.save({"g": item.g, "rank": run.d.rank, "features": item.features.cpu(), "lengths": item.lengths,
                     "input_ids": item.input_ids}, dump / f"g{item.g:06d}.pt")
@@ -396,11 +397,11 @@ def save_checkpoint(run):
     just before it is written, so its export's model card carries that tau. DRAFTER_SHARDING=fsdp: every drafter
     rank calls it, writes its shard into the master's folder (checkpoint.save_shards) and takes part in gathering the
     whole drafter for the serving export."""
-    d = run.d
+    c, d = run.c, run.d
     if run.watchdog:
         run.watchdog.state = f"saving checkpoint step {run.step}"
     run.opt.wait_all()   # the overlapped optimizer's last update has run (parameters and its state)
-    sharded = DRAFTER_SHARDING == "fsdp"
+    sharded = c.DRAFTER_SHARDING == "fsdp"
     full = ckpt.full_state(run.drafter, keep=d.is_master) if sharded else None   # fp32, on the master's CPU
     shards = functools.partial(ckpt.save_shards, model=run.drafter, opt=run.opt, group=d.drafters) \
         if sharded else None
@@ -409,42 +410,42 @@ def save_checkpoint(run):
         return
     g = run.g_at(run.step)
     # every EVAL_EVERY-th checkpoint is evaluated before it is written, so its export's model card carries its tau
-    whole = (lambda: ckpt.whole_drafter(run.dcfg, full, d.device, drafters.ARCHS[DRAFTER_ARCH].drafter)) if sharded \
+    whole = (lambda: ckpt.whole_drafter(run.dcfg, full, d.device, drafters.ARCHS[c.DRAFTER_ARCH].drafter)) if sharded \
         else (lambda: run.drafter)
-    ev = evaluate(run, whole()) \
-        if EVAL_EVERY and (run.saves + 1) % EVAL_EVERY == 0 else None
+    ev = evaluate_checkpoint(run, whole()) \
+        if c.EVAL_EVERY and (run.saves + 1) % c.EVAL_EVERY == 0 else None
     # the card's data hash is stats.json's, which a user can compare (Data.content_hash is the loader's own)
-    card = dict(target=TARGET, target_fingerprint=run.fingerprint, step=run.step, evaluation=ev,
-                data={"rows": run.data.num_rows, "content_hash": read_stats(DATA).get("content_hash")})
+    card = dict(target=c.TARGET, target_fingerprint=run.fingerprint, step=run.step, evaluation=ev,
+                data={"rows": run.data.num_rows, "content_hash": read_stats(c.DATA).get("content_hash")})
     state = ckpt.train_state(run.drafter, run.opt, run.step, g, sharded=sharded)
-    meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], run.c.as_dict(), run.data,
+    meta = ckpt.train_meta(run.step, g, run.sched.planned_g, [d.n_targets, d.n_drafters], c.as_dict(), run.data,
                            run.dcfg, run.fingerprint)
     t = time.time()
     try:
-        path = ckpt.save(run.ck_root, run.step, state, meta,
-                         lambda p: drafters.export(run.drafter, p, state=full, **card), KEEP_LAST, write_shards=shards)
+        export = lambda p: drafters.export(run.drafter, p, state=full, **card)   # noqa: E731
+        path = ckpt.save(run.ck_root, run.step, state, meta, export, c.KEEP_LAST, write_shards=shards)
     except ckpt.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     log(f"saved {path} ({time.time() - t:.1f}s)")
     run.saves += 1
 
 
-def evaluate(run, drafter):
+def evaluate_checkpoint(run, drafter):
     """tau of the current drafter (run.drafter, or its whole copy when sharded) on EVAL_PROMPTS, on this rank; peers
     wait at the next collective, targets keep filling the queues. The watchdog knows (its stall check pauses), and
     the HF target it loads in EVAL_DTYPE is freed afterwards (trainer/planner.py counts it in the drafter's peak)."""
-    d, setup = run.d, run.eval_setup
+    c, d, setup = run.c, run.d, run.eval_setup
     run.opt.wait_all()
     t = time.time()
     with run.watchdog.pause(f"evaluating tau at step {run.step}") if run.watchdog else contextlib.nullcontext():
-        target_model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, EVAL_DTYPE),
+        target_model = AutoModelForCausalLM.from_pretrained(c.TARGET, dtype=getattr(torch, c.EVAL_DTYPE),
                                                             attn_implementation="sdpa",
                                                             local_files_only=True).to(d.device).eval()
         drafter.eval()
         with torch.no_grad():
-            res = measure.evaluate(target_model, setup["tok"], drafter, setup["prompts"],
-                                   max_new_tokens=EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
-                                   reference=run.eval_reference, enable_thinking=setup["enable_thinking"], log=None)
+            res = evaluate.evaluate(target_model, setup["tok"], drafter, setup["prompts"],
+                                    max_new_tokens=c.EVAL_MAX_NEW_TOKENS, device=d.device, on_too_long="skip",
+                                    reference=run.eval_reference, enable_thinking=setup["enable_thinking"], log=None)
         del target_model
         if d.device.type == "cuda":
             torch.cuda.empty_cache()   # give the evaluation's memory back to training
