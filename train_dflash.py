@@ -43,9 +43,10 @@ from trainer.watchdog import Watchdog, fail, failure_reason, finish, on_signals
 
 _IMPORTED = set(globals())   # names above are not settings (CONFIG_KEYS below)
 # Every setting is one constant below: its default, then its comment, written once: a number's allowed range first
-# ([>= N] or [> N], which trainer/settings.py checks), then its meaning, units and allowed values, continued on `#`
-# lines below it. --help prints them, and docs/configuration.md's table is generated from them (python -m
-# tools.config_page): a new setting is its constant, its comment and its test.
+# ([>= N] or [> N], then [< N] or [<= N] if bounded above), or a string's allowed values as a list (a | b (what b
+# means) | c, then prose after a colon or a full stop), which trainer/settings.py reads and checks; then its meaning
+# and units, continued on `#` lines below it. --help prints them, and docs/configuration.md's table is generated
+# from them (python -m tools.config_page): a new setting is its constant, its comment and its test.
 
 # --- what to train --------------------------------------------------------------------------------------------------
 TARGET = ""                 # local HF folder of the frozen target; "" = SmolLM2-135M-Instruct (python -m tools.smollm2)
@@ -90,7 +91,7 @@ LOSS_WEIGHTING = "dpace"    # dpace (D-PACE, vLLM speculators' default: slot k w
                             # a slot counts as much as the acceptance riding on it) | exp (exp(-(k-1)/GAMMA), the
                             # paper's). dpace is the default for its tau at equal data and steps: BENCHMARKS.md,
                             # drafter quality
-DPACE_ALPHA = 0.5           # [>= 0] D-PACE's confidence smoothing a in [0, 1]: slot weights from (1-a)*q + a, q =
+DPACE_ALPHA = 0.5           # [>= 0] [<= 1] D-PACE's confidence smoothing a: slot weights from (1-a)*q + a, q =
                             # p(label); 0 = the plain acceptance products, 1 = weights count the supervised slots
                             # from k on
 NOISE = 0.0                 # [>= 0] uniform noise U(-NOISE, NOISE) on target hidden states before fc (0 = off)
@@ -105,7 +106,7 @@ ALLOW_DATA_CHANGE = False   # resume even if the dataset changed (the LR schedul
 # --- optimisation ---------------------------------------------------------------------------------------------------
 GRAD_ACCUM = 1              # [>= 1] micro-batches per drafter rank per optimizer step
 LR = 6e-4                   # [> 0] peak learning rate (AdamW, fp32 master weights)
-WARMUP_RATIO = 0.04         # [>= 0] fraction of the run spent in linear warmup, then cosine to 0
+WARMUP_RATIO = 0.04         # [>= 0] [< 1] fraction of the run spent in linear warmup, then cosine to 0
 WEIGHT_DECAY = 0.0          # [>= 0] AdamW weight decay (0.0 - 0.01)
 GRAD_CLIP = 1.0             # [> 0] max global grad norm
 MAX_STEPS = 0               # [>= 0] optimizer steps of the run, repeating the data as needed (EPOCHS is then
@@ -162,8 +163,9 @@ EVAL_PROMPTS = ""           # prompts JSONL for it ("" = data/default/eval_broad
 EVAL_LIMIT = 20             # [>= 1] prompts per evaluation, dealt over the categories (20 = 2 of each of the broad
                             # set's 10)
 EVAL_MAX_NEW_TOKENS = 128   # [>= 1] tokens generated per prompt
-EVAL_DTYPE = "float32"      # target dtype for it: float32 keeps the losslessness check exact (bf16 block vs
-#                             one-token forwards round differently, which can flip near-tied greedy tokens)
+EVAL_DTYPE = "float32"      # float32 | bfloat16: the target's dtype for it; float32 keeps the losslessness check exact
+#                             (bf16 block vs one-token forwards round differently, which can flip near-tied greedy
+#                             tokens)
 TENSORBOARD = False         # also log to OUT_DIR/tb (tensorboard --logdir OUT_DIR/tb); the package is checked at
                             # start-up
 WANDB_PROJECT = ""          # also log to this W&B project ("" = off); the run id is kept in OUT_DIR/wandb_run_id.txt,

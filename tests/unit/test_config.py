@@ -55,6 +55,7 @@ def test_every_numeric_constant_has_a_range():
     ("STALL_TIMEOUT", 0.0, "STALL_TIMEOUT=0.0 must be > 0"),
     ("MASK_TOKEN_ID", -2, "MASK_TOKEN_ID=-2 must be >= -1"),
     ("WARMUP_RATIO", 1.0, "WARMUP_RATIO=1.0 must be < 1"),
+    ("DPACE_ALPHA", 1.5, "DPACE_ALPHA=1.5 must be <= 1"),
     ("SLIDING_WINDOW_LAYERS", 9, "SLIDING_WINDOW_LAYERS=9 must be <= NUM_DRAFT_LAYERS=5"),
 ])
 def test_bad_numeric_values_are_refused(cfg, name, value, message):
@@ -225,6 +226,39 @@ def test_config_page_rewrites_only_its_table_and_check_names_the_fix(tmp_path, c
     page.write_text("no markers\n")
     with pytest.raises(SystemExit, match="has no .* pair to write the table between"):
         config_page.main(["--page", str(page), "--source", str(src)])
+
+
+def test_every_closed_choice_list_is_the_codes_and_refused_otherwise(cfg):
+    """The allowed values written in the constants' comments are what the code accepts (its own registries, where
+    it has one), and check_config refuses anything else, for every such constant."""
+    from model import fp8
+    from model.drafter import COMPILE_MODES
+    from model.drafters import ARCHS
+    from model.objective import WEIGHTINGS
+    assert settings.CHOICES == {
+        "DRAFTER_ARCH": tuple(ARCHS), "LOSS_WEIGHTING": tuple(WEIGHTINGS), "DEVICE": ("auto", "cuda", "cpu"),
+        "DTYPE": ("auto", "bfloat16", "float32"), "ATTN": ("auto", "flex", "sdpa"),
+        "COMPILE_DRAFTER": tuple(COMPILE_MODES), "DRAFTER_FP8_RECIPE": tuple(fp8.RECIPES),
+        "DRAFTER_SHARDING": ("ddp", "fsdp"), "EVAL_DTYPE": ("float32", "bfloat16")}
+    for name, allowed in settings.CHOICES.items():
+        assert getattr(td, name) in allowed
+        cfg.set(**{name: "nonsense"})
+        assert f"{name}='nonsense': allowed are {', '.join(allowed)}" in cfg.check(), name
+        cfg.set(**{name: getattr(td, name)})
+    assert settings.UPPER_BOUNDS == {"WARMUP_RATIO": (1, True), "DPACE_ALPHA": (1, False)}
+
+
+def test_choices_and_bounds_are_read_from_the_comment_alone(tmp_path):
+    """A list closes where prose starts (`:`, `.`, the end) and may carry a parenthetical per value; one that ends
+    in a non-word (a path, `<...>`) is open and checks nothing, as is prose that merely starts with a word."""
+    src = tmp_path / "prog.py"
+    src.write_text("# --- s ---\nMODE = \"a\"   # a (the first (nested) one) | b_2 | c: which\n"
+                   "#                more about it | d\nWHERE = \"auto\"   # auto | scratch | <a path>\n"
+                   "NOTE = \"\"   # plain prose (with a note) here\nFRAC = 0.1   # [>= 0] [< 1] share | of it\n"
+                   "K = 1   # [>= 1] [<= 8] x | y (a closed list after the range)\nCONFIG_KEYS = []\n")
+    assert settings.choices_of(src) == {"MODE": ("a", "b_2", "c"), "K": ("x", "y")}
+    assert settings.upper_bounds_of(src) == {"FRAC": (1, True), "K": (8, False)}
+    assert settings.ranges_of(src) == {"FRAC": (0, False), "K": (1, False)}
 
 
 def test_a_range_is_read_from_the_constants_comment(tmp_path):
