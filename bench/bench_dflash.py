@@ -413,8 +413,9 @@ _FEATURES: dict = {}
 
 def synthetic_features(c, T):
     """[T, K*H] random features, a fresh buffer like a received one (the queue's memory stays the trainer's), copied
-    from one pool drawn once per process: drawing fresh ones per micro-batch put ~0.7 ms of RNG kernels on the GPU
-    inside the timed step, where a drafter rank only receives (a copy's worth of memory traffic)."""
+    from one pool drawn once per process: drawing fresh ones per micro-batch put RNG kernels on the GPU inside the
+    timed step (BENCHMARKS.md, Other figures), where a drafter rank only receives (a copy's worth of memory
+    traffic)."""
     width = c.dcfg.num_taps * c.sizes.H
     key = (str(c.device), c.dtype, width)
     pool = _FEATURES.get(key)
@@ -698,7 +699,7 @@ def instrumented_step(rig, feeder, c):
 # --- (c, e) pipeline --------------------------------------------------------------------------------------------------
 
 class _Watch:
-    """The part of pipe.Watchdog that Sender and receive use."""
+    """The part of trainer.watchdog.Watchdog that pipe.Sender and pipe.receive use."""
     state = recv_state = ""
 
     def progress(self):

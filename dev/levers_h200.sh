@@ -83,7 +83,7 @@ part_setup1() {
     cp .gguf/part-aa "$WORK/gguf.part-aa"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     # the GPU paths the CPU suite cannot reach, on this machine's torch: every test of tests/gpu (flex attention, FP8,
-    # the CE kernel, the fast loop's CUDA graphs with DFlash and DFlash2, the optimizer's side stream; test_gpu_train.py
+    # the CE kernel, the fast loop's CUDA graphs with DFlash and DFlash2, the optimizer's side stream; test_train_cuda.py
     # skips on one GPU)
     [ "${GPU_TESTS:-1}" = 1 ] && { timeout 300 $PY -m pytest -q -o addopts=-rs -p no:cacheprovider \
         tests/gpu > "$OUT/gpu_tests.txt" 2>&1 || true

@@ -28,7 +28,7 @@ for step in $ONLY; do
                      tests/gpu/test_optim_cuda.py tests/unit/test_export.py tests/unit/test_compile.py \
                      tests/gpu/test_fastdecode_cuda.py \
                      "tests/unit/test_engine.py::test_compiled_sampler_draws_what_the_eager_one_draws" \
-                     $( (( NGPU >= 2 )) && echo tests/gpu/test_gpu_train.py) -m "slow or not slow" \
+                     $( (( NGPU >= 2 )) && echo tests/gpu/test_train_cuda.py) -m "slow or not slow" \
                      2>&1 | tee "$OUT/tests.txt" | tail -15 ;;
         drafter) for a in 512 2048; do
                      $PY -m bench.bench_dflash --mode drafter --compile-drafter layers --steps 40 --anchors $a \

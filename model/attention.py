@@ -52,7 +52,7 @@ def dflash_mask_mod(anchor_pos, anchor_doc, ctx_doc, ctx_len, block_size, num_bl
     see nothing. causal_block / sliding_window: the sliding-window variant.
     """
     # int32 like flex's q_idx / kv_idx: int64 scalars would turn the kernel's index arithmetic into 64-bit
-    # divisions (the static backward ran 23% slower with them)
+    # divisions (the static kernel ran slower with them: BENCHMARKS.md, Other figures)
     T, N = (x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int32, device=ctx_doc.device)
             for x in (ctx_len, num_blocks))
     B = block_size
@@ -99,7 +99,7 @@ def dense_mask(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, 
 def block_mask_reference(anchor_pos, anchor_doc, ctx_doc, block_size, causal_block=False, sliding_window=None,
                          pad_to=None, lengths=None) -> BlockMask:
     """The BlockMask flex's own create_block_mask makes from the mask_mod: it evaluates every (q, kv) pair (vmap,
-    eager), ~100 ms of GPU and Python time per micro-batch at 512 anchors x 4 x 3072 tokens. The reference for
+    eager), far slower than block_mask's intervals (on a CPU: BENCHMARKS.md, Other figures). The reference for
     block_mask below."""
     T, M = ctx_doc.shape[0], anchor_pos.shape[0] * block_size
     q_len, kv_len = _lengths(M, T, pad_to, lengths, ctx_doc.device)
@@ -143,7 +143,7 @@ def _padded(n, pad_to, device):
 def static_lengths(max_blocks, block_size, max_context) -> tuple[int, int]:
     """(Q_LEN, KV_LEN) that hold every micro-batch of up to max_blocks blocks and max_context context rows, in
     whole flex tiles. Masks padded to them give flex_attention one shape for the whole run: it compiles once,
-    static (the dynamic-shape kernel runs ~20% slower, BENCHMARKS.md), and padded tiles hold no blocks, so they
+    static (the dynamic-shape kernel is slower: BENCHMARKS.md, Other figures), and padded tiles hold no blocks, so they
     cost no compute."""
     M = max_blocks * block_size
     return _padded(M, FLEX_BLOCK, None), _padded(max_context + M, FLEX_BLOCK, None)
@@ -355,7 +355,7 @@ def make_attn_spec(anchor_pos, anchor_doc, ctx_doc, block_size, layer_types, sli
 def compiled_flex_attention():
     # one compiled callable per process; compiling from several threads at once raises
     # "Detected that you are using FX to symbolically trace a dynamo-optimized function". Static shapes: the
-    # trainer's masks all have one length (static_lengths), and the dynamic-shape kernel is ~20% slower.
+    # trainer's masks all have one length (static_lengths), and the static kernel is the faster one.
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -139,7 +139,8 @@ def gumbel_argmax(scaled: torch.Tensor, row_hash: torch.Tensor, vocab_hash: torc
 def draw(logits: torch.Tensor, temp: torch.Tensor, row_hash: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """logits [n, V] float32, temp [n] (0: greedy) -> [n] ids: argmax where temp is 0, else a Gumbel-max draw from
     softmax(logits / temp). One function so torch.compile can fuse the whole draw (the [n, V] hash, logs, argmax)
-    into a few kernels: eager it is ~12 passes over [n, V] int64 tensors, 3.5 ms a step at 1024 x 49,152."""
+    into a few kernels: eager it is ~12 passes over [n, V] int64 tensors (what they add to a step: BENCHMARKS.md,
+    Generation and decoding speed)."""
     best = logits.argmax(-1)                                    # ties -> lowest id, as torch.argmax
     t = torch.where(temp > 0, temp, 1.0)[:, None]
     return torch.where(temp > 0, gumbel_argmax(logits / t, row_hash, vocab_hash), best)

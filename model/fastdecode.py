@@ -45,9 +45,10 @@ queries as the target does (2 copies a layer on the CPU; on CUDA it keeps fp32 o
 efficient one refuses enable_gqa). Every cut is the same arithmetic per element (tests/unit/test_fastdecode.py checks
 the drafter's pieces bit for bit on the CPU). The verify of B tokens runs the greedy step's kernels plus 2 per layer
 (the copies that fold GQA into q's rows and unfold o). So the speculative step is 1.32x a greedy step in kernels
-(was 1.37x), yet it measured 2.7x on an H200 (11.0 vs 4.1 ms): the rest must be the kernels' own time at 16 rows
-(likely the fp32 matmuls, no longer matrix-vector, and the two 49152-column lm_heads), which counts cannot see;
-`python -m tools.count_ops --device cuda --profile 20` shows each op's device time.
+(was 1.37x), yet it measured far more than that in time on an H200 (BENCHMARKS.md, Generation and decoding speed):
+the rest must be the kernels' own time at 16 rows (likely the fp32 matmuls, no longer matrix-vector, and the two
+49152-column lm_heads), which counts cannot see; `python -m tools.count_ops --device cuda --profile 20` shows each
+op's device time.
 """
 import torch
 import torch.nn.functional as F

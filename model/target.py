@@ -98,12 +98,10 @@ class Target:
 # ---------------------------------------------------------------------------
 # A target sharded over the ranks of one replica (TARGET_SHARDS)
 #
-# FSDP2, not tensor parallelism: every rank of a replica forwards its own micro-batch, so the rest of the pipeline
-# (one target rank -> its drafters, the plan g % TARGET_RANKS) is unchanged, and the cost is one all-gather of each
-# layer's weights per micro-batch, prefetched under the previous layer's compute. At 4 x 3072 tokens a 72B layer's
-# forward is ~2 * 0.86B * 12288 = 21 TFLOP (~30 ms on an H200) against 1.7 GB all-gathered (~5 ms over NVLink at
-# ~400 GB/s): hidden. TP would instead all-reduce [tokens, H] activations twice per layer, on the critical path,
-# and make the ranks of a replica forward one micro-batch together (a new plan and transport).
+# FSDP2, not tensor parallelism (why, with the arithmetic: docs/multi-gpu.md, Targets larger than one GPU): every
+# rank of a replica forwards its own micro-batch, so the rest of the pipeline (one target rank -> its drafters, the
+# plan g % TARGET_RANKS) is unchanged, and the cost is one all-gather of each layer's weights per micro-batch,
+# prefetched under the previous layer's compute.
 
 @contextlib.contextmanager
 def _parameters_on_meta():

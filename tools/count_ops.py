@@ -1,6 +1,7 @@
 """Count the aten ops one step of model/fastdecode.py runs, per component: a faithful proxy for a CUDA graph
-replay's cost at batch 1 with a small model, where every kernel is launch-bound (SmolLM2-135M: 0.1 ms of weight
-reads per forward on an H200 against ~4 ms a greedy step).
+replay's cost at batch 1 with a small model, where every kernel is launch-bound (SmolLM2-135M's fp32 weights are
+~0.1 ms of reads at an H200's bandwidth, a small part of a greedy step's measured time: BENCHMARKS.md, Generation and
+decoding speed).
 
     python -m tools.count_ops [--target DIR] [--block-size 16] [--drafter-layers 5] [--device cuda --profile 20]
         [--dtype float32|bfloat16] [--drafter-dtype bfloat16] [--max-len 1024] [--time 200]

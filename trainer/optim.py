@@ -1,12 +1,12 @@
 """The drafter's AdamW, one parameter group pair per chunk of the forward (fc + hidden_norm, each layer, the final
 norm), and on a GPU its step overlapped with the next forward; the LR schedule (`lr_at`).
 
-A drafter step is GPU-bound, and AdamW over ~1B fp32 parameters is ~11 ms of memory-bound kernels between one
-backward and the next forward (BENCHMARKS.md). With `overlap` the step runs on a side stream chunk by chunk in
-forward order and records an event per chunk; the next forward waits for each chunk's event only where it first
-reads that chunk's parameters (Drafter.params_ready), so the update of layer i+1 runs while layer i computes. The
-arithmetic is the same fused AdamW kernel on the same tensors: results are bitwise those of the plain step
-(tests/gpu/test_optim_cuda.py on CUDA).
+A drafter step is GPU-bound, and AdamW over ~1B fp32 parameters is a run of memory-bound kernels between one
+backward and the next forward (their time: BENCHMARKS.md, Other figures). With `overlap` the step runs on a side
+stream chunk by chunk in forward order and records an event per chunk; the next forward waits for each chunk's
+event only where it first reads that chunk's parameters (Drafter.params_ready), so the update of layer i+1 runs
+while layer i computes. The arithmetic is the same fused AdamW kernel on the same tensors: results are bitwise
+those of the plain step (tests/gpu/test_optim_cuda.py on CUDA).
 
 Whoever reads the parameters outside the drafter's forward (checkpoints, evaluation, export, the DDP checksum)
 calls wait_all() first.

@@ -208,9 +208,9 @@ def _drafter_terms(s, d, cfg, prefix="", frozen_shared=False):
     copies = 0 if d["fp32"] else drafter_linear_params(s, L, K) * BF16
     if cfg.DRAFTER_FP8 and not d["fp32"]:
         # the converted layers' weights are cast to e4m3 instead (model.fp8.convert_drafter; fc stays bf16): counted
-        # at 1 byte per weight, 0.90 GiB less at Qwen3-8B shapes with 5 layers, where the H200 measured 1.11-1.14
-        # GiB less with rowwise_with_gw_hp; rowwise and tensorwise also save the activations in e4m3 (measured
-        # 7.0 / 7.7 GiB less), which this leaves out: an overestimate for them
+        # at 1 byte per weight, 0.90 GiB less at Qwen3-8B shapes with 5 layers, a little under what the H200 measured
+        # with rowwise_with_gw_hp; rowwise and tensorwise also save the activations in e4m3 (several GiB less
+        # measured), which this leaves out: an overestimate for them (the peaks: BENCHMARKS.md, Other figures)
         copies -= (drafter_linear_params(s, L, K) - drafter_linear_params(s, 0, K)) * (BF16 - FP8)
     terms = [
         _term(f"drafter weights fp32: {L} layers + fc + norms ({P / 1e9:.3f}B params){of_n}", "drafter weights",

@@ -1,10 +1,11 @@
-"""main's phases of train_dflash.py, in the order it calls them: who this process is (`Dist`) and its watchdog
+"""main's phases of train_dflash.py, named in the order main calls them: who this process is (`Dist`) and its watchdog
 (`start_watchdog`), the settings that need the target's config and tokenizer (`drafter_config`, with the in-training
 evaluation's prompts, `eval_inputs`), the data and the memory plan (`load_data`), where to start (`choose_resume`,
 `resume`) and the schedule from there (`schedule`), a target rank's job
 (`load_target`, `run_target`), and a drafter rank's set-up (`build_drafter` with `shard_drafter` and
 `restore_drafter`, `start_feed`). Each takes the run's settings `c` (trainer.settings.Settings, read as c.NAME) and
-this process's `Dist`; none reads train_dflash's globals."""
+this process's `Dist`; none reads train_dflash's globals. The file opens with helpers of theirs (`eval_inputs`,
+`run_device`, `startup_check`), then holds the phases in that order."""
 import json
 import os
 import sys

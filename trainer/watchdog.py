@@ -36,7 +36,7 @@ class Watchdog(threading.Thread):
         self.heartbeat_timeout, self.stall_timeout, self.interval, self.log = (
             heartbeat_timeout, stall_timeout, interval, log)
         self.state = "starting"
-        self.recv_state = ""       # the Receiver thread's, so it never hides what the main thread is doing
+        self.recv_state = ""       # pipe.receive's (on the Prefetcher thread), never hiding the main thread's
         self.send_state = ""       # the Sender thread's, likewise
         self.stats = {}            # role-specific numbers for the status line (queue depth, counters)
         self.collect = []          # callables returning more stats, polled here (e.g. a BusyClock)

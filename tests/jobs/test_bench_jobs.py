@@ -37,7 +37,7 @@ def test_bench_tiny_runs_end_to_end_without_datasets(tmp_path):
 
 def test_pipeline_two_ranks_on_cpu(tmp_path):
     """torchrun 2 ranks over gloo: rank 0 runs the target forward into pipe.Sender, rank 1 the drafter step from
-    pipe.Receiver; rank 1 reports."""
+    pipe.receive through a pipe.Prefetcher; rank 1 reports."""
     out = tmp_path / "pipe.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "-m", "bench.bench_dflash", "--mode", "pipeline", "--shape", "tiny", "--steps", "3", "--warmup", "1",

@@ -1,5 +1,5 @@
 """The GPU path of the trainer (NCCL transport, flex_attention, bf16): the same checks as tests/jobs/test_train.py.
-Skipped without 2 GPUs; run on the device machine with `python -m pytest tests/gpu/test_gpu_train.py`."""
+Skipped without 2 GPUs; run on the device machine with `python -m pytest tests/gpu/test_train_cuda.py`."""
 import re
 
 import pytest
