@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from data.loader import Data, Schedule, read_stats
 from model import fp8
 from model import drafters
-from model.drafters import SELECTOR_METRICS, arch_of, unwrap
+from model.drafters import arch_of, unwrap
 from model.drafter import Drafter, DrafterConfig
 from model.objective import block_metrics, decay_weighted, micro_seed
 from trainer import checkpoint as ckpt
@@ -305,7 +305,8 @@ def drafter_step(model, embed, head_w, item, block_size, autocast, c, sync=True,
                  saved_hooks=None) -> MicroBatchSums:
     """One micro-batch's forward, loss and backward: the gradients accumulate sum(w * CE) until optimizer_step.
     The loss is the drafter family's (model/drafters.py: DFlash's is model/objective.py's weighted CE over the blocks).
-    c: the run's settings (NOISE, SEED, LOSS_WEIGHTING, DPACE_ALPHA, CE_CHUNK, SELECTOR_ALPHA). sync=False: a DDP
+    c: the run's settings (NOISE, SEED; the loss reads LOSS_WEIGHTING, DPACE_ALPHA, CE_CHUNK and its arch's own,
+    Arch.loss_settings); the sums are MicroBatchSums, the arch's metrics in its slots. sync=False: a DDP
     model skips its gradient all-reduce (not the step's last micro-batch). probe(phase) and saved_hooks: the bench's
     instruments (bench/bench_dflash.py times this same function)."""
     probe = probe or (lambda phase: None)
@@ -321,17 +322,17 @@ def drafter_step(model, embed, head_w, item, block_size, autocast, c, sync=True,
         with saved_hooks or contextlib.nullcontext():
             hidden = model(feats, item.ctx_pos, embed(item.block_ids), item.block_pos, item.attn)   # [N*B, H]
             probe("forward")
-            parts, extra = arch_of(model).loss(unwrap(model), hidden, head_w, item, c.LOSS_WEIGHTING, c.DPACE_ALPHA,
-                                               c.CE_CHUNK, c.SELECTOR_ALPHA)
+            arch = arch_of(model)
+            parts, extra = arch.loss(unwrap(model), hidden, head_w, item, c)
             probe("CE")
         parts.loss_sum.backward()
     probe("backward")
-    zero = parts.weight_sum.new_zeros(())
     bm = block_metrics(parts.correct.view(-1, block_size), item.weights.view(-1, block_size))
-    sums = torch.stack([*decay_weighted(parts, item, c.LOSS_WEIGHTING), bm["acc_num"], bm["acc_den"],
-                        bm["streak_num"], bm["streak_den"], parts.loss_sum.detach(), parts.weight_sum,
-                        *[extra.get(k, zero) for k in SELECTOR_METRICS]]).double()
-    return MicroBatchSums(*sums.unbind())
+    loss, loss_w = decay_weighted(parts, item, c.LOSS_WEIGHTING)
+    return MicroBatchSums.of(loss=loss, loss_w=loss_w, acc_num=bm["acc_num"], acc_den=bm["acc_den"],
+                             streak_num=bm["streak_num"], streak_den=bm["streak_den"],
+                             objective=parts.loss_sum.detach(), objective_w=parts.weight_sum,
+                             arch=[extra[k] for k in arch.metrics])
 
 
 def optimizer_step(params, opt, step_w, grad_clip, n_drafters=1, group=None):

@@ -16,8 +16,10 @@ model.objective.prepare (micro_batch.make_prepare) on a pipe.Prefetcher, fed syn
 the drafter step is train_dflash's drafter_step + optimizer_step for one rank and GRAD_ACCUM=1, with the settings
 c.cfg. The transport is pipe.Sender -> pipe.receive -> pipe.Prefetcher.
 --arch (DRAFTER_ARCH) picks the drafter from model.drafters.ARCHS, built as the trainer builds it (make_config with
-the DFlash2 knobs --conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k, --selector-alpha); every
-mode that runs a drafter runs either, and the JSON ("arch") and the report's header name it.
+the row's knobs); each arch's own settings (Arch.knobs, Arch.loss_settings) are flags, the setting lower-cased with
+dashes (DFlash2's --conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k, --selector-alpha), checked
+as the trainer checks them (Arch.check); every mode that runs a drafter runs any arch, and the JSON ("arch") and the
+report's header name it.
 Settings not on the command line (GAMMA, CE_CHUNK, Q_HS, SEND_DEPTH, ...) default to train_dflash's constants (read,
 never written: Context.cfg, a trainer.settings.Settings from td.defaults, holds this run's values).
 Every mode prints the planner's memory estimate (trainer/planner.py) next to the measured peak.
@@ -29,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -513,15 +516,13 @@ def bench_drafter(args, c) -> dict:
 
 
 def arch_figures(rig) -> dict:
-    """What tells the drafters apart in a result: the arch, its parameters, and (a drafter with a candidate selector)
-    the last timed step's selector metrics, proof that its loss ran: recall@K of the unary top-K, the teacher-forced
-    selector's accuracy, the walk's streak (the trainer's sel_recall, sel_acc, sel_streak)."""
-    m = rig.sums
-    sel = None
-    if float(m.sel_den) > 0:
-        sel = {"sel_recall": float(m.sel_recall_num / m.sel_den), "sel_acc": float(m.sel_tf_acc_num / m.sel_den),
-               "sel_streak": float(m.path_streak_num / m.path_streak_den.clamp(min=1))}
-    return {"arch": rig.drafter.arch, "drafter_params": sum(p.numel() for p in rig.params), "selector": sel}
+    """What tells the drafters apart in a result: the arch, its parameters, and the last timed step's figures of the
+    arch's own metrics as the trainer's status line shows them (Arch.status; DFlash2's sel_recall, sel_acc,
+    sel_streak: proof that its loss ran), None for an arch without any."""
+    a = ARCHS[rig.drafter.arch]
+    shown = a.status({k: float(v) for k, v in rig.sums.arch_sums(a.metrics).items()})
+    return {"arch": rig.drafter.arch, "drafter_params": sum(p.numel() for p in rig.params),
+            "arch_metrics": {name: v for name, (v, _) in shown.items()} or None}
 
 
 # --- (b') flex_attention kernel options at the drafter's mask ------------------------------------------------------
@@ -726,10 +727,10 @@ def pipeline_commands(args) -> list[str]:
     DFlash2 drafter's results and run folder named for it)."""
     shape = f"--shape {args.shape} --seq {args.seq} --batch {args.batch} --anchors {args.anchors} " \
             f"--block {args.block} --layers {args.layers}" + (" --mixed" if args.mixed else "")
-    knobs = {name: getattr(args, name.lower()) for name in DFLASH2_FLAGS if getattr(args, name.lower()) is not None}
+    knobs = {name: getattr(args, name.lower()) for name in ARCH_FLAGS if getattr(args, name.lower()) is not None}
     arch = sfx = trainer_arch = ""
     if args.arch != "dflash":
-        arch = f" --arch {args.arch}" + "".join(f" {DFLASH2_FLAGS[name]} {v}" for name, v in knobs.items())
+        arch = f" --arch {args.arch}" + "".join(f" {ARCH_FLAGS[name]} {v}" for name, v in knobs.items())
         sfx = f"_{args.arch}"
         trainer_arch = f"--DRAFTER_ARCH={args.arch} " + "".join(f"--{name}={v} " for name, v in knobs.items())
     env = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
@@ -893,18 +894,16 @@ def report(res, c) -> str:
 
 
 def arch_knobs(c) -> dict:
-    """The settings of c that shape its arch's drafter and loss beyond DFlash's: the DFlash2 knobs (none for
+    """The settings of c that shape its arch's drafter and loss beyond DFlash's (arch_settings; none for
     DFlash)."""
-    return {name: getattr(c, name) for name in DFLASH2_FLAGS} if c.DRAFTER_ARCH == "dflash2" else {}
+    return {name: getattr(c, name) for name in arch_settings(c.DRAFTER_ARCH)}
 
 
 def arch_label(c) -> str:
-    """The drafter arch as the report's header names it: "dflash", or "dflash2 (conv 2 taps / group 16, selector
-    rank 256 top-16, alpha 1)"."""
-    if c.DRAFTER_ARCH != "dflash2":
-        return c.DRAFTER_ARCH
-    return (f"dflash2 (conv {c.CONV_KERNEL_SIZE} taps / group {c.CONV_GROUP_SIZE}, selector rank {c.SELECTOR_RANK} "
-            f"top-{c.SELECTOR_TOP_K}, alpha {c.SELECTOR_ALPHA:g})")
+    """The drafter arch as the report's header names it: "dflash", or "dflash2 (--conv-kernel-size 2
+    --conv-group-size 16 --selector-rank 256 --selector-top-k 16 --selector-alpha 1)"."""
+    knobs = " ".join(f"{ARCH_FLAGS[name]} {v:g}" for name, v in arch_knobs(c).items())
+    return f"{c.DRAFTER_ARCH} ({knobs})" if knobs else c.DRAFTER_ARCH
 
 
 def _report_header(res, c, work) -> list[str]:
@@ -1092,7 +1091,7 @@ class Context:
         self.dtype = torch.bfloat16 if cuda else torch.float32       # train_dflash's DTYPE=auto
         self.flex = cuda                                              # train_dflash's ATTN=auto
         # the trainer's settings (its constants' defaults), with those that shape a micro-batch set as given
-        given = {name: getattr(args, name.lower()) for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH", *DFLASH2_FLAGS)
+        given = {name: getattr(args, name.lower()) for name in ("CE_CHUNK", "Q_HS", "SEND_DEPTH", *ARCH_FLAGS)
                  if getattr(args, name.lower()) is not None}
         self.cfg = td.defaults(MAX_ANCHORS=args.anchors, BLOCK_SIZE=args.block, NUM_DRAFT_LAYERS=args.layers,
                                TOKEN_BUDGET=args.batch * args.seq, TARGET_RANKS=1,
@@ -1106,13 +1105,11 @@ class Context:
         self.sizes = planner.model_sizes(self.hf)
         dcfg = DrafterConfig.from_target(self.hf, args.layers, args.block, self.mask_id,
                                          num_taps=self.cfg.NUM_TAPS or None)
-        errs = arch_errors(self.cfg, self.sizes, args.shape)
+        errs = arch_errors(self.cfg, self.sizes)
         if errs:
             sys.exit("error: " + "; ".join(errs))
-        c = self.cfg       # the trainer's drafter_config: the arch's config from the DFlash one
-        self.dcfg = make_config(c.DRAFTER_ARCH, dcfg, conv_kernel_size=c.CONV_KERNEL_SIZE,
-                                conv_group_size=c.CONV_GROUP_SIZE, selector_rank=c.SELECTOR_RANK,
-                                selector_top_k=c.SELECTOR_TOP_K)
+        # the trainer's drafter_config: the arch's config from the DFlash one
+        self.dcfg = make_config(self.cfg.DRAFTER_ARCH, dcfg, self.cfg)
         self.peak_tflops = None
 
     def sync(self):
@@ -1140,38 +1137,44 @@ class Context:
                 "mfu_datasheet": tflops / DATASHEET_TFLOPS}
 
 
-# the DFlash2 knobs: train_dflash's constant -> the bench's flag (default: the constant, through td.defaults)
-DFLASH2_FLAGS = {"CONV_KERNEL_SIZE": "--conv-kernel-size", "CONV_GROUP_SIZE": "--conv-group-size",
-                 "SELECTOR_RANK": "--selector-rank", "SELECTOR_TOP_K": "--selector-top-k",
-                 "SELECTOR_ALPHA": "--selector-alpha"}
+def arch_settings(arch: str) -> tuple:
+    """The settings an arch reads beyond DFlash's (model/drafters.py: Arch.knobs, then Arch.loss_settings)."""
+    return (*ARCHS[arch].knobs, *ARCHS[arch].loss_settings)
 
 
-def arch_errors(c, sizes, shape) -> list[str]:
-    """What train_dflash's check_config (trainer/settings.py) refuses for DRAFTER_ARCH=dflash2, in the bench's
-    flags: a knob below its range, a convolution group that does not divide the hidden size, more selector candidates
-    than the vocabulary, more taps than BLOCK_SIZE. The trainer refuses no mode with dflash2 (DRAFTER_FP8,
-    HEAD_FP8, COMPILE_DRAFTER all run it), so neither does the bench."""
-    if c.DRAFTER_ARCH != "dflash2":
-        return []
+# each arch's own settings: train_dflash's constant -> the bench's flag, the name lower-cased with dashes (default:
+# the constant, through td.defaults)
+ARCH_FLAGS = {name: "--" + name.lower().replace("_", "-") for arch in ARCHS for name in arch_settings(arch)}
+# the bench's flags of the settings an arch's check may name beside its own
+SHAPE_FLAGS = {"BLOCK_SIZE": "--block", "NUM_DRAFT_LAYERS": "--layers", "MAX_ANCHORS": "--anchors"}
+
+
+def in_flags(msg: str) -> str:
+    """A trainer message in the bench's flags: NAME=v -> --name v (NAME) for an arch's own setting, --flag v for
+    SHAPE_FLAGS'; --NAME=v -> --name v; --NAME -> --name."""
+    for name, flag in {**ARCH_FLAGS, **SHAPE_FLAGS}.items():
+        own = f" ({name})" if name in ARCH_FLAGS else ""
+        msg = re.sub(rf"--{name}=([^\s,;:)]+)", rf"{flag} \1", msg)
+        msg = re.sub(rf"--{name}\b", flag, msg)
+        msg = re.sub(rf"(?<![\w-]){name}=([^\s,;:)]+)", rf"{flag} \1{own}", msg)
+    return msg
+
+
+def arch_errors(c, sizes) -> list[str]:
+    """What train_dflash's check_config (trainer/settings.py) refuses in the arch's own settings, in the bench's
+    flags: a setting below its range, then what the arch's check refuses (model/drafters.py Arch.check) against the
+    sizes of --shape, its target (DFlash2: a convolution group that does not divide the hidden size, more selector
+    candidates than the vocabulary, more taps than BLOCK_SIZE). The trainer refuses no mode with any arch
+    (DRAFTER_FP8, HEAD_FP8, COMPILE_DRAFTER all run dflash2), so neither does the bench."""
     errs = []
-    for name, flag in DFLASH2_FLAGS.items():
+    for name in arch_settings(c.DRAFTER_ARCH):
         lo, strict = RANGES[name]
         v = getattr(c, name)
         if not math.isfinite(v) or (v <= lo if strict else v < lo):
-            errs.append(f"{flag} {v} ({name}) must be {'>' if strict else '>='} {lo:g}")
+            errs.append(f"{ARCH_FLAGS[name]} {v} ({name}) must be {'>' if strict else '>='} {lo:g}")
     if errs:
         return errs
-    H, V = sizes.H, sizes.V
-    if H % c.CONV_GROUP_SIZE:
-        errs.append(f"{DFLASH2_FLAGS['CONV_GROUP_SIZE']} {c.CONV_GROUP_SIZE} (CONV_GROUP_SIZE) does not divide the "
-                    f"hidden size {H} of --shape {shape}: pick a divisor, e.g. --conv-group-size {math.gcd(H, 16)}")
-    if c.SELECTOR_TOP_K > V:
-        errs.append(f"--selector-top-k {c.SELECTOR_TOP_K} (SELECTOR_TOP_K) exceeds the vocabulary of --shape {shape} "
-                    f"({V} tokens): set --selector-top-k {min(16, V)}")
-    if c.CONV_KERNEL_SIZE > c.BLOCK_SIZE:
-        errs.append(f"--conv-kernel-size {c.CONV_KERNEL_SIZE} (CONV_KERNEL_SIZE) exceeds --block {c.BLOCK_SIZE} "
-                    f"(a tap never crosses a block): set --conv-kernel-size to at most {c.BLOCK_SIZE}")
-    return errs
+    return [in_flags(e) for e in ARCHS[c.DRAFTER_ARCH].check(c, sizes.V, sizes.H)]
 
 
 def environment(c) -> dict:
@@ -1228,16 +1231,10 @@ def parse_args(argv):
     ap.add_argument("--ce-chunk", type=int, default=None, help="CE_CHUNK (default: train_dflash's)")
     ap.add_argument("--arch", choices=list(ARCHS), default="dflash",
                     help="DRAFTER_ARCH: the drafter the step trains (model/drafters.py ARCHS) [dflash]")
-    ap.add_argument("--conv-kernel-size", type=int, default=None,
-                    help="CONV_KERNEL_SIZE, --arch dflash2 (default: train_dflash's)")
-    ap.add_argument("--conv-group-size", type=int, default=None,
-                    help="CONV_GROUP_SIZE, --arch dflash2 (default: train_dflash's)")
-    ap.add_argument("--selector-rank", type=int, default=None,
-                    help="SELECTOR_RANK, --arch dflash2 (default: train_dflash's)")
-    ap.add_argument("--selector-top-k", type=int, default=None,
-                    help="SELECTOR_TOP_K, --arch dflash2 (default: train_dflash's)")
-    ap.add_argument("--selector-alpha", type=float, default=None,
-                    help="SELECTOR_ALPHA, --arch dflash2 (default: train_dflash's)")
+    for name, flag in ARCH_FLAGS.items():   # each arch's own settings (arch_settings)
+        archs = ", ".join(a for a in ARCHS if name in arch_settings(a))
+        ap.add_argument(flag, type=type(getattr(td, name)), default=None,
+                        help=f"{name}, --arch {archs} (default: train_dflash's)")
     ap.add_argument("--q-hs", type=int, default=None, help="Q_HS (default: train_dflash's)")
     ap.add_argument("--send-depth", type=int, default=None, help="SEND_DEPTH (default: train_dflash's)")
     ap.add_argument("--flex-options", default=None, metavar="JSON",
@@ -1255,10 +1252,14 @@ def parse_args(argv):
             setattr(args, k, v)
     if args.mixed and not 2 <= args.min_len <= args.seq:
         ap.error(f"--min-len {args.min_len} must be in 2..--seq {args.seq}")
-    knobs = [flag for name, flag in DFLASH2_FLAGS.items() if getattr(args, name.lower()) is not None]
-    if knobs and args.arch != "dflash2":
-        ap.error(f"{', '.join(knobs)} {'is a DFlash2 knob' if len(knobs) == 1 else 'are DFlash2 knobs'}, and --arch "
-                 f"is {args.arch}: add --arch dflash2")
+    stray = [name for name in ARCH_FLAGS if getattr(args, name.lower()) is not None
+             and name not in arch_settings(args.arch)]
+    if stray:   # another arch's setting: the step would train this arch without it
+        owner = next(a for a in ARCHS if stray[0] in arch_settings(a))
+        title = ARCHS[owner].title
+        ap.error(f"{', '.join(ARCH_FLAGS[n] for n in stray)} "
+                 f"{f'is a {title} knob' if len(stray) == 1 else f'are {title} knobs'}, and --arch is {args.arch}: "
+                 f"add --arch {owner}")
     return args
 
 

@@ -38,12 +38,15 @@ The selector CE's gradient reaches the backbone through the candidates' unary lo
 speculators' training.
 
 Where the rest of the tree meets it (model/drafters.py's ARCHS row "dflash2", DRAFTER_ARCH=dflash2):
-- the trainer builds, restores and shards DFlash2Drafter (DFlash2Config.from_drafter with the CONV_* / SELECTOR_*
-  settings); INIT_FROM a DFlash export warm-starts it through warm_start (settings.load_init_from); a checkpoint
-  records DRAFTER_ARCH and a resume as another arch is refused; each checkpoint exports through export_dflash2.
+- the trainer builds, restores and shards DFlash2Drafter (drafters.make_config with the row's knobs, the CONV_* /
+  SELECTOR_* settings, which the row's check, drafters.dflash2_check, holds against the target and BLOCK_SIZE);
+  INIT_FROM a DFlash export warm-starts it through warm_start (the row's warm_start, settings.load_init_from); a
+  checkpoint records DRAFTER_ARCH and a resume as another arch is refused; each checkpoint exports through
+  export_dflash2.
 - the drafter step's loss is drafters.dflash2_train_loss: dflash2_loss (loss_sum = block + SELECTOR_ALPHA x
   selector, so the division by the global sum of w is unchanged) and selector_metrics, taken before the backward
-  and logged beside acc and streak (sel_recall, sel_acc, sel_streak).
+  and logged beside acc and streak (the row's metrics and status, drafters.selector_status: sel_recall, sel_acc,
+  sel_streak).
 - param_chunks: the layers' chunks hold the convolutions, the selector is one more chunk after the final norm
   (params_ready waits for it before the loss). no_decay_params keeps the base kernels and the codebooks out of
   WEIGHT_DECAY.

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from data.resume import WEIGHT_FILES, weights_fingerprint
 from model.drafter import Drafter
+from model.drafters import ARCHS
 
 PREFIX = "step_"
 SHARDS = "shards"           # the DCP folder of a sharded checkpoint
@@ -377,12 +378,11 @@ def target_fingerprint(path) -> dict:
     return {"path": str(path.resolve()), "config_sha256": config_sha, "weights_sha256": weights}
 
 
-# drafter config field -> the setting that decides it (fields not listed come from the target's config)
+# drafter config field -> the setting that decides it (fields not listed come from the target's config), with each
+# arch's knobs (model/drafters.py Arch.knobs) read when a resume is checked
 SHAPED_BY = {"num_hidden_layers": "NUM_DRAFT_LAYERS", "block_size": "BLOCK_SIZE",
              "target_layer_ids": "TARGET_LAYER_IDS", "mask_token_id": "MASK_TOKEN_ID",
-             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW",
-             "conv_kernel_size": "CONV_KERNEL_SIZE", "conv_group_size": "CONV_GROUP_SIZE",
-             "selector_rank": "SELECTOR_RANK", "selector_top_k": "SELECTOR_TOP_K"}
+             "layer_types": "SLIDING_WINDOW_LAYERS", "sliding_window": "SLIDING_WINDOW"}
 
 
 def resume_mismatches(meta: dict, dcfg, fingerprint: dict) -> list[str]:
@@ -390,9 +390,10 @@ def resume_mismatches(meta: dict, dcfg, fingerprint: dict) -> list[str]:
     (by fingerprint). -> one line per difference, naming the setting and both values."""
     errs = []
     old = meta.get("drafter") or {}
+    shaped_by = SHAPED_BY | {key: name for a in ARCHS.values() for name, key in a.knobs.items()}
     for name, new in dcfg.__dict__.items():
         if name in old and old[name] != new:
-            setting = SHAPED_BY.get(name, f"TARGET (its config's {name})")
+            setting = shaped_by.get(name, f"TARGET (its config's {name})")
             errs.append(f"{setting}: the checkpoint has {name}={old[name]}, this run {new}")
     was = meta.get("target")
     if was and (was["config_sha256"], was["weights_sha256"]) != (fingerprint["config_sha256"],

@@ -23,12 +23,28 @@ class MicroBatchSums(NamedTuple):
     streak_den: torch.Tensor    # blocks
     objective: torch.Tensor     # sum w * CE under LOSS_WEIGHTING: what the gradients hold
     objective_w: torch.Tensor   # sum of those w: the step's normaliser
-    # a drafter with a candidate selector (DFlash2, model/drafters.py SELECTOR_METRICS); 0 for DFlash
-    sel_recall_num: torch.Tensor    # supervised slots whose gold is in the unary top-K
-    sel_tf_acc_num: torch.Tensor    # ... that the teacher-forced selector picks
-    sel_den: torch.Tensor           # supervised slots
-    path_streak_num: torch.Tensor   # accepted prefix of the selector's own walk, summed over blocks
-    path_streak_den: torch.Tensor   # blocks
+    # the drafter arch's own sums: its loss's metrics (model/drafters.py Arch.metrics) in that order, 0 past them and
+    # for an arch without any (DFlash); Arch.status turns them into the status line's figures
+    arch_0: torch.Tensor
+    arch_1: torch.Tensor
+    arch_2: torch.Tensor
+    arch_3: torch.Tensor
+    arch_4: torch.Tensor
+
+    @classmethod
+    def of(cls, arch=(), **sums) -> "MicroBatchSums":
+        """From every generic field by name and the arch's sums in Arch.metrics' order (into arch_0, ...; the rest
+        0), all 0-dim tensors on one device: stacked and made float64 at once."""
+        slots = [f for f in cls._fields if f.startswith("arch_")]
+        assert len(arch) <= len(slots), f"{len(arch)} arch metrics, {len(slots)} slots in MicroBatchSums"
+        assert set(sums) == set(cls._fields) - set(slots), sorted(set(sums) ^ (set(cls._fields) - set(slots)))
+        zero = sums["objective_w"].new_zeros(())
+        sums.update(zip(slots, [*arch, *[zero] * (len(slots) - len(arch))]))
+        return cls(*torch.stack([sums[f] for f in cls._fields]).double().unbind())
+
+    def arch_sums(self, metrics) -> dict:
+        """{metric: sum} of the arch's metrics (Arch.metrics), read from their slots."""
+        return {m: getattr(self, f"arch_{i}") for i, m in enumerate(metrics)}
 
     @classmethod
     def zeros(cls, device) -> torch.Tensor:

@@ -189,9 +189,7 @@ def drafter_config(c, d):
         dcfg = DrafterConfig.from_target(hf_cfg, c.NUM_DRAFT_LAYERS, c.BLOCK_SIZE, mask_id, target_layer_ids=layer_ids,
                                          num_taps=c.NUM_TAPS or None, sliding_window_layers=c.SLIDING_WINDOW_LAYERS,
                                          sliding_window=c.SLIDING_WINDOW or None)
-        dcfg = drafters.make_config(c.DRAFTER_ARCH, dcfg, conv_kernel_size=c.CONV_KERNEL_SIZE,
-                                    conv_group_size=c.CONV_GROUP_SIZE, selector_rank=c.SELECTOR_RANK,
-                                    selector_top_k=c.SELECTOR_TOP_K)
+        dcfg = drafters.make_config(c.DRAFTER_ARCH, dcfg, c)   # with the arch's knobs (Arch.knobs) from c
     except AssertionError as e:
         sys.exit(f"error: drafter config: {e}")
     c = c.replace(MASK_TOKEN_ID=mask_id, TARGET_LAYER_IDS=",".join(map(str, dcfg.target_layer_ids)))
@@ -253,11 +251,12 @@ def resume(c, d, watchdog, resume_path, data, dcfg, fingerprint) -> ckpt.ResumeP
     meta = ckpt.read_meta(resume_path) if resume_path else None
     if meta:
         errs = ckpt.resume_mismatches(meta, dcfg, fingerprint)
-        was = meta["config"].get("DRAFTER_ARCH", "dflash")   # checkpoints before DFlash2 were all DFlash
+        was = meta["config"].get("DRAFTER_ARCH", "dflash")   # checkpoints before the archs were all DFlash
         if was != c.DRAFTER_ARCH:
-            errs.insert(0, f"DRAFTER_ARCH: the checkpoint trained a {was} drafter, this run {c.DRAFTER_ARCH} "
-                           f"(to turn a DFlash drafter into a DFlash2 one, pass its export as INIT_FROM in a new "
-                           f"OUT_DIR)")
+            arch = ARCHS[c.DRAFTER_ARCH]
+            hint = f" (to turn a {ARCHS[was].title} drafter into a {arch.title} one, pass its export as INIT_FROM in " \
+                   f"a new OUT_DIR)" if arch.warm_from == was else ""
+            errs.insert(0, f"DRAFTER_ARCH: the checkpoint trained a {was} drafter, this run {c.DRAFTER_ARCH}{hint}")
         if errs:
             fail(watchdog, f"cannot resume {resume_path}: this run differs in what the checkpoint was trained for:\n"
                            f"  - " + "\n  - ".join(errs) + "\nResume with the checkpoint's settings and TARGET, or "

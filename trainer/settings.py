@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from trainer import checkpoint as ckpt
 from model.drafter import DrafterConfig
-from model.dflash2 import DFlash2Drafter, dflash2_keys, warm_start
+from model.drafters import ARCHS, arch_of, export_arch
 from model.hub import HUB_ID, resolve_model_path
 from model.target import DEFAULT_TARGET, check_mask_token_id, default_mask_token_id
 
@@ -284,7 +284,7 @@ def _topology_errors(c, world: int) -> list[str]:
 
 
 def _target_errors(c) -> list[str]:
-    """What TARGET's config.json rules out: not a causal LM, no weights, DFlash2 and HEAD_FP8 sizes that do not fit."""
+    """What TARGET's config.json rules out: not a causal LM, no weights, HEAD_FP8 sizes that do not fit."""
     errs = []
     tgt = Path(c.TARGET).expanduser()
     if not (tgt / "config.json").exists():
@@ -300,17 +300,21 @@ def _target_errors(c) -> list[str]:
                         f"download the model's weight files into it")
         tc = tcfg.get("text_config", tcfg)
         V, H = tc.get("vocab_size", 0), tc.get("hidden_size", 0)
-        if c.DRAFTER_ARCH == "dflash2" and H % c.CONV_GROUP_SIZE:
-            errs.append(f"CONV_GROUP_SIZE={c.CONV_GROUP_SIZE} does not divide the drafter's hidden size {H} (the "
-                        f"target's): pick a divisor of {H}, e.g. --CONV_GROUP_SIZE={math.gcd(H, 16)}")
-        if c.DRAFTER_ARCH == "dflash2" and c.SELECTOR_TOP_K > V:
-            errs.append(f"SELECTOR_TOP_K={c.SELECTOR_TOP_K} exceeds the vocabulary ({V} tokens): set "
-                        f"--SELECTOR_TOP_K={min(16, V)}")
         if c.HEAD_FP8:
             if V % 16 or H % 16:
                 errs.append(f"HEAD_FP8 needs the target's lm_head [vocab_size, hidden_size] = [{V}, {H}] in multiples "
                             f"of 16 (FP8 GEMMs): set --HEAD_FP8=False")
     return errs
+
+
+def _target_sizes(c) -> tuple:
+    """(vocab_size, hidden_size) of TARGET's config.json (0 where it has none); (None, None) without the file."""
+    tgt = Path(c.TARGET).expanduser() / "config.json"
+    if not tgt.exists():
+        return None, None
+    tcfg = json.loads(tgt.read_text())
+    tc = tcfg.get("text_config", tcfg)
+    return tc.get("vocab_size", 0), tc.get("hidden_size", 0)
 
 
 def check_config(c, world: int) -> None:
@@ -350,9 +354,8 @@ def check_config(c, world: int) -> None:
         except ValueError:
             errs.append(f"FLEX_OPTIONS={c.FLEX_OPTIONS!r} is not a JSON object of flex_attention kernel_options "
                         f"(e.g. '{{\"USE_TMA\": true}}'; \"\" for torch's defaults)")
-    if c.DRAFTER_ARCH == "dflash2" and c.CONV_KERNEL_SIZE > c.BLOCK_SIZE:   # an unknown arch: CHOICES above
-        errs.append(f"CONV_KERNEL_SIZE={c.CONV_KERNEL_SIZE} exceeds BLOCK_SIZE={c.BLOCK_SIZE} (a tap never crosses "
-                    f"a block): set --CONV_KERNEL_SIZE to at most {c.BLOCK_SIZE}")
+    if c.DRAFTER_ARCH in ARCHS:   # its knobs against the settings and the target's sizes (an unknown arch: CHOICES)
+        errs += ARCHS[c.DRAFTER_ARCH].check(c, *_target_sizes(c))
     if c.DRAFTER_SHARDING == "fsdp" and world == 1:
         errs.append("DRAFTER_SHARDING=fsdp shards the drafter over the drafter ranks of a torchrun job; the one "
                     "process holds it whole: launch with torchrun (launch.sh), or use DRAFTER_SHARDING=ddp")
@@ -381,10 +384,6 @@ INIT_FROM_FIELDS = [
 ]
 
 
-DFLASH2_KNOBS = ("CONV_KERNEL_SIZE", "CONV_GROUP_SIZE", "SELECTOR_RANK", "SELECTOR_TOP_K")   # = DFlash2Config's
-#                                                                                            fields, lower-cased
-
-
 def check_init_from(c, dcfg) -> list[str]:
     """INIT_FROM's config.json against the drafter this run builds (dcfg), before any model loads. Exits naming
     every setting that differs, both values and the flag that fits the export; returns notes on fields that are
@@ -411,11 +410,11 @@ def check_init_from(c, dcfg) -> list[str]:
         else:
             errs.append(f"{setting}: this run has {ours} ({key}), the drafter in INIT_FROM {theirs}: pass "
                         f"--{setting}={theirs}")
-    knobs = cfg["dflash_config"]
-    if cfg.get("architectures") == ["DFlash2DraftModel"] and c.DRAFTER_ARCH == "dflash2":
-        errs += [f"{name}: this run has {getattr(c, name)}, the drafter in INIT_FROM {knobs[name.lower()]}: pass "
-                 f"--{name}={knobs[name.lower()]}" for name in DFLASH2_KNOBS
-                 if knobs.get(name.lower()) is not None and knobs[name.lower()] != getattr(c, name)]
+    knobs, arch = cfg["dflash_config"], ARCHS[c.DRAFTER_ARCH]
+    if cfg.get("architectures") == [arch.serving_name]:   # an export of this arch: its knobs (Arch.knobs) too
+        errs += [f"{name}: this run has {getattr(c, name)}, the drafter in INIT_FROM {knobs[key]}: pass "
+                 f"--{name}={knobs[key]}" for name, key in arch.knobs.items()
+                 if knobs.get(key) is not None and knobs[key] != getattr(c, name)]
     if of_target:
         errs.append(f"the target (TARGET={c.TARGET}) has " + ", ".join(f"{f}={o}" for f, o, _ in of_target)
                     + "; the drafter in INIT_FROM was made for " + ", ".join(f"{f}={t}" for f, _, t in of_target)
@@ -429,23 +428,23 @@ def check_init_from(c, dcfg) -> list[str]:
 
 def load_init_from(path, drafter) -> str:
     """The INIT_FROM export's weights into the run's drafter, whose fp32 master weights take them in whatever dtype
-    the export was written (fp32 exactly; bf16 widened exactly). path: INIT_FROM. Returns that dtype."""
+    the export was written (fp32 exactly; bf16 widened exactly). path: INIT_FROM. Returns that dtype, and the arch
+    of the export when the run's arch warm-starts from another's (Arch.warm_start: "bfloat16 DFlash")."""
     state = load_file(str(Path(path) / "model.safetensors"), device=str(next(drafter.parameters()).device))
+    dtypes = "/".join(sorted({str(v.dtype).replace("torch.", "") for v in state.values()}))
+    arch, theirs = arch_of(drafter), export_arch(path)
+    if theirs == arch.warm_from and arch.warm_start(drafter, state):
+        return f"{dtypes} {ARCHS[theirs].title}"   # its backbone; the arch's own parameters at init: drafts as it did
+    if ARCHS[theirs] is not arch:
+        sys.exit(f"error: INIT_FROM={path} is a {ARCHS[theirs].title} drafter and this run trains a {arch.title} "
+                 f"one: set --DRAFTER_ARCH={theirs} (its knobs as in its config.json's dflash_config)")
     missing = drafter.state_dict().keys() - state.keys()
     extra = state.keys() - drafter.state_dict().keys()
-    if isinstance(drafter, DFlash2Drafter) and missing == dflash2_keys(drafter) and not extra:
-        # a DFlash export into a DFlash2 run: its backbone, the DFlash2 parameters at init (drafts as it did)
-        warm_start(drafter, {k: v.float() for k, v in state.items()})
-        return "/".join(sorted({str(v.dtype).replace("torch.", "") for v in state.values()})) + " DFlash"
-    if extra and any(k.startswith("candidate_selector.") for k in extra) and not isinstance(drafter, DFlash2Drafter):
-        sys.exit(f"error: INIT_FROM={path} is a DFlash2 drafter and this run trains a DFlash one: set "
-                 f"--DRAFTER_ARCH=dflash2 (its knobs as in its config.json's dflash_config)")
     if missing or extra:
         sys.exit(f"error: INIT_FROM={path}: model.safetensors does not hold this drafter's parameters (missing "
                  f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}); export it with model.export.export_drafter")
-    dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
     drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return "/".join(dtypes)
+    return dtypes
 
 
 # --- from the target's tokenizer ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.drafters import ARCHS
 from trainer import planner
 from trainer.pipe import BusyClock
 from trainer.micro_batch import MicroBatchSums
@@ -127,9 +128,9 @@ def status_line(run, meter, params, lr, now):
                "lr": lr, "noise_std": noise_std, "tgt_mb_s": tgt_rate, "dft_mb_s": dft_rate,
                "tok_s": tok_rate, "q_pre": q_pre, "q_hs": q_hs, "epoch": epoch, "eta_s": eta,
                "ddp_weight_spread": spread}
-        if s.sel_den:   # a drafter with a candidate selector (DFlash2): recall@K, teacher-forced pick, own path
-            row.update(sel_recall=s.sel_recall_num / s.sel_den, sel_acc=s.sel_tf_acc_num / s.sel_den,
-                       sel_streak=s.path_streak_num / max(s.path_streak_den, 1))
+        arch = ARCHS[c.DRAFTER_ARCH]   # its own figures from its metrics' sums (Arch.status), after streak
+        shown = arch.status(s.arch_sums(arch.metrics))
+        row.update({name: v for name, (v, _) in shown.items()})
         if not meter.split_reported:
             meter.split_reported = report_split(peers, d, row, c.TOKEN_BUDGET)
             # enough work for this rank's clock to count (past its skipped first units), so the wait can succeed
@@ -145,10 +146,9 @@ def status_line(run, meter, params, lr, now):
         run.metrics.write(row)
         tau = f" tau={run.last_eval['tau']:.2f}" if run.last_eval else ""
         dpace = f" dpace={row['objective']:.3f}" if c.LOSS_WEIGHTING == "dpace" else ""
-        sel = f" sel_recall={row['sel_recall']:.3f} sel_acc={row['sel_acc']:.3f} sel_streak={row['sel_streak']:.2f}" \
-            if s.sel_den else ""
+        own = "".join(f" {name}={v:{fmt}}" for name, (v, fmt) in shown.items())
         log(f"[{(now - meter.t_start) / 60:.0f}m] step={step}/{run.total_steps} loss={row['loss']:.3f}{dpace} "
-            f"acc={row['acc']:.3f} streak={row['streak']:.2f}{sel}{tau} lr={lr:.1e} noise={noise_std:.3f} | "
+            f"acc={row['acc']:.3f} streak={row['streak']:.2f}{own}{tau} lr={lr:.1e} noise={noise_std:.3f} | "
             f"tgt={tgt_rate:.2f}b/s dft={dft_rate:.2f}b/s ({fmt_k(tok_rate)}tok/s) | "
             f"q_pre={fmt_q_pre(q_pre, d.shards)} q_hs={q_hs} | "
             f"epoch~{epoch:.2f} ETA={fmt_eta(eta)}")

@@ -42,15 +42,17 @@ def test_bench_times_a_dflash2_drafter(capsys):
     two = bd.main([*argv, "--arch", "dflash2"])
     out = capsys.readouterr().out
     d, d2 = base["drafter"], two["drafter"]
-    assert base["arch"] == d["arch"] == base["settings"]["DRAFTER_ARCH"] == "dflash" and d["selector"] is None
+    assert base["arch"] == d["arch"] == base["settings"]["DRAFTER_ARCH"] == "dflash" and d["arch_metrics"] is None
     assert two["arch"] == d2["arch"] == two["settings"]["DRAFTER_ARCH"] == "dflash2"
-    assert "drafter dflash2 (conv 2 taps / group 16, selector rank 256 top-16, alpha 1) L=2 B=4" in out
-    assert {k: two["settings"][k] for k in bd.DFLASH2_FLAGS} == {k: getattr(td, k) for k in bd.DFLASH2_FLAGS}
+    assert ("drafter dflash2 (--conv-kernel-size 2 --conv-group-size 16 --selector-rank 256 --selector-top-k 16 "
+            "--selector-alpha 1) L=2 B=4") in out
+    assert {k: two["settings"][k] for k in bd.ARCH_FLAGS} == {k: getattr(td, k) for k in bd.ARCH_FLAGS}
     c = bd.Context(bd.parse_args([*argv, "--arch", "dflash2"]))
     assert type(bd.build_drafter(c.dcfg, torch.device("cpu"))) is ARCHS["dflash2"].drafter
     extra = ARCHS["dflash2"].drafter.memory_terms(c.sizes.H, c.sizes.V, 2, 0, 0, 0, c.cfg)["params"]
     assert d2["drafter_params"] == d["drafter_params"] + extra > d["drafter_params"]
-    assert d2["selector"] and 0 <= d2["selector"]["sel_acc"] <= d2["selector"]["sel_recall"] <= 1
+    m = d2["arch_metrics"]
+    assert m and 0 <= m["sel_acc"] <= m["sel_recall"] <= 1 and m["sel_streak"] >= 0
     # the same micro-batches: the DFlash terms agree, DFlash2 adds its own (FLOPs, memory)
     dflash_terms = ["layers on block tokens", "fc + k/v on context", "attention", "lm_head + CE"]
     assert list(d["tflop_per_step"]) == [*dflash_terms, "total"]
