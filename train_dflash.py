@@ -36,7 +36,7 @@ from trainer import settings
 from trainer.micro_batch import MicroBatchSums, autocast_for
 from trainer.optim import lr_at, scale_clip_
 from trainer.pipe import BusyClock, Prefetcher, TargetAhead
-from trainer.roles import (Dist, build_drafter, choose_resume, drafter_config, load_data, load_target, resume,
+from trainer.phases import (Dist, build_drafter, choose_resume, drafter_config, load_data, load_target, resume,
                            run_device, run_target, schedule, start_feed, start_watchdog, startup_check)
 from trainer.status import Metrics, Meter, log, log_peak_memory, log_plan, status_line
 from trainer.watchdog import Watchdog, fail, failure_reason, finish, on_signals

@@ -319,7 +319,7 @@ class Drafter(nn.Module):
         self.params_ready = None
 
     # What the trainer asks of a drafter, so that a variant answers for its own modules: the optimizer's parameter
-    # chunks (trainer/optim.py) and the units FSDP2 shards (trainer/roles.py: shard_drafter).
+    # chunks (trainer/optim.py) and the units FSDP2 shards (trainer/phases.py: shard_drafter).
     def param_chunks(self) -> list[list[nn.Parameter]]:
         """The parameters in the order the forward first reads them: [fc, hidden_norm], each layer, [norm]."""
         return [list(self.fc.parameters()) + list(self.hidden_norm.parameters()),

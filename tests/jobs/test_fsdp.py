@@ -94,7 +94,7 @@ def _gradient_worker():
     """Run by the test above under torchrun (2 processes): both are drafter ranks (TARGET_RANKS = 0 here)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from trainer.roles import shard_drafter
+    from trainer.phases import shard_drafter
     from train_dflash import optimizer_step
     from model.drafter import Drafter, DrafterConfig
     dist.init_process_group("gloo")

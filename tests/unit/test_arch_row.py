@@ -12,7 +12,7 @@ import train_dflash as td
 from model import drafters
 from model.drafter import Drafter, DrafterConfig
 from trainer import checkpoint as ckpt
-from trainer import roles, settings
+from trainer import phases, settings
 from trainer.micro_batch import autocast_for, make_prepare
 from trainer.pipe import Packet
 from trainer.status import Meter, status_line
@@ -72,15 +72,15 @@ def test_check_config_runs_the_rows_check(split_run):
 
 
 def test_drafter_config_passes_the_knob_and_a_resume_names_it(split_run):
-    c, dcfg, _, _ = roles.drafter_config(split_run(SPLIT=8), SimpleNamespace(is_master=True))
+    c, dcfg, _, _ = phases.drafter_config(split_run(SPLIT=8), SimpleNamespace(is_master=True))
     assert type(dcfg) is SplitConfig and dcfg.split == 8 and dcfg.block_size == B
-    _, old, _, _ = roles.drafter_config(split_run(SPLIT=4), SimpleNamespace(is_master=True))
+    _, old, _, _ = phases.drafter_config(split_run(SPLIT=4), SimpleNamespace(is_master=True))
     assert ckpt.resume_mismatches({"drafter": old.__dict__}, dcfg, {}) == \
         ["SPLIT: the checkpoint has split=4, this run 8"]
 
 
 def test_a_step_keeps_its_metrics_and_the_status_line_shows_them(split_run, capsys):
-    c, dcfg, hf, _ = roles.drafter_config(split_run(), SimpleNamespace(is_master=True))
+    c, dcfg, hf, _ = phases.drafter_config(split_run(), SimpleNamespace(is_master=True))
     torch.manual_seed(0)
     drafter = drafters.ARCHS[c.DRAFTER_ARCH].drafter(dcfg)
     embed = torch.nn.Embedding(hf.vocab_size, hf.hidden_size).requires_grad_(False)

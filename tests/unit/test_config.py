@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_dflash as td
-from trainer import roles, settings
+from trainer import phases, settings
 from data.loader import Schedule
 from trainer.optim import lr_at
 
@@ -308,9 +308,9 @@ def test_in_training_evaluation_leaves_out_what_the_template_refuses(monkeypatch
     from transformers import AutoTokenizer
     monkeypatch.setattr(td, "EVAL_PROMPTS", "")
     monkeypatch.setattr(td, "EVAL_LIMIT", 20)
-    got = roles.eval_inputs(td.constants(), AutoTokenizer.from_pretrained(no_system_target), {})
+    got = phases.eval_inputs(td.constants(), AutoTokenizer.from_pretrained(no_system_target), {})
     cats = [r["category"] for r in got["prompts"]]
     assert len(cats) == 20 and "system" not in cats and len(set(cats)) == 9
     assert "note: EVAL_PROMPTS: the target's chat template refuses 30 of 313 prompts" in capsys.readouterr().out
-    full = roles.eval_inputs(td.constants(), AutoTokenizer.from_pretrained(tiny_smollm2), {})
+    full = phases.eval_inputs(td.constants(), AutoTokenizer.from_pretrained(tiny_smollm2), {})
     assert len({r["category"] for r in full["prompts"]}) == 10 and "note:" not in capsys.readouterr().out

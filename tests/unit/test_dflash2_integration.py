@@ -116,7 +116,7 @@ def test_init_from_a_dflash_export_drafts_as_it(tiny_qwen3_dir, build_drafter, t
 
 
 def test_a_resume_with_another_arch_is_refused(tiny_qwen3_dir):
-    from trainer import roles
+    from trainer import phases
 
     class Stop(Exception):
         pass
@@ -124,14 +124,14 @@ def test_a_resume_with_another_arch_is_refused(tiny_qwen3_dir):
     def fail(_, msg):
         raise Stop(msg)
     meta = {"config": {"DRAFTER_ARCH": "dflash"}, "drafter": {}, "target": None}
-    orig = roles.fail, roles.ckpt.read_meta
-    roles.fail, roles.ckpt.read_meta = fail, lambda p: meta
+    orig = phases.fail, phases.ckpt.read_meta
+    phases.fail, phases.ckpt.read_meta = fail, lambda p: meta
     try:
         with pytest.raises(Stop, match="DRAFTER_ARCH: the checkpoint trained a dflash drafter, this run dflash2"):
-            roles.resume(Settings(DRAFTER_ARCH="dflash2"), type("D", (), {"is_master": False})(), None, "ck", None,
+            phases.resume(Settings(DRAFTER_ARCH="dflash2"), type("D", (), {"is_master": False})(), None, "ck", None,
                          DFlash2Config.from_drafter(_cfg(tiny_qwen3_dir)), {})
     finally:
-        roles.fail, roles.ckpt.read_meta = orig
+        phases.fail, phases.ckpt.read_meta = orig
 
 
 def _cfg(target_dir):

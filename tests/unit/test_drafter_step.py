@@ -60,6 +60,6 @@ def test_one_drafter_step_equals_the_unchunked_loss(weighting):
     assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
 
 
-def test_step_sums_zeros_has_one_slot_per_field():
+def test_micro_batch_sums_zeros_has_one_slot_per_field():
     z = MicroBatchSums.zeros(torch.device("cpu"))
     assert z.shape == (len(MicroBatchSums._fields),) and z.dtype == torch.float64 and not z.any()

@@ -7,7 +7,7 @@ REPO = Path(__file__).resolve().parents[2]
 # ARCHITECTURE.md's picture, top to bottom
 TIERS = [
     ("train_dflash", "eval_dflash", "bench", "tools"),
-    ("trainer.roles",),
+    ("trainer.phases",),
     ("trainer.settings", "trainer.status"),
     ("trainer.micro_batch", "trainer.pipe", "trainer.checkpoint", "trainer.planner", "trainer.watchdog",
      "trainer.evaluate"),
