@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96
 MASK_ID = VOCAB - 1
@@ -185,6 +187,28 @@ def finish(proc, timeout) -> tuple[int | None, str, float]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, head + out, time.time() - t
+
+
+def stop_at_step_3_then_resume(nproc, args, out, ref) -> tuple[int | None, str]:
+    """SIGTERM a run of `args` (writing to `out`) once it logged step 3, as Ctrl-C or a scheduler's preemption does;
+    resume it in the same folder: every step's loss must equal `ref`'s ({step: loss} of the uninterrupted run).
+    -> (the stopped torchrun's return code, its log)."""
+    proc = start(nproc, args)
+    lines = []
+    assert wait_for(proc, "step=3/", 120, lines), "".join(lines)
+    os.killpg(proc.pid, signal.SIGTERM)
+    code, rest, _ = finish(proc, 90)
+    log = "".join(lines) + rest
+    assert "stopped at step" in log, log
+    stopped = max(losses(out))
+    assert 3 <= stopped < max(ref)
+    r = ok(run(nproc, args))
+    assert f"RESUMING from step {stopped}" in r.stdout
+    got = losses(out)
+    assert sorted(got) == sorted(ref)
+    for s in ref:
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), f"step {s}: {got[s]} != {ref[s]}"
+    return code, log
 
 
 def trainer_cfg(**kw):

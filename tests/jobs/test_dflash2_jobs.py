@@ -1,14 +1,11 @@
 """DRAFTER_ARCH=dflash2 end to end on CPU: the tiny job logs the selector metrics and writes a DFlash2 export, a
 killed run resumes exactly, INIT_FROM a DFlash export starts from the DFlash drafter's loss, DDP and FSDP2 drafters
 agree. Real jobs with the tiny target of tests/helpers/runs.py."""
-import os
-import signal
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from runs import base_args, finish, losses, metrics, ok, run, start, wait_for
+from runs import base_args, losses, metrics, ok, run, stop_at_step_3_then_resume
 from trainer import checkpoint as ckpt
 
 D2 = dict(DRAFTER_ARCH="dflash2", SELECTOR_RANK=8, SELECTOR_TOP_K=8, CONV_GROUP_SIZE=8)
@@ -32,20 +29,7 @@ def test_dflash2_job_logs_selector_metrics_exports_and_resumes_exactly(assets, t
     ref = losses(tmp_path / "ref")
 
     out = tmp_path / "cut"
-    proc = start(2, base_args(target, data, out, **args))
-    lines = []
-    assert wait_for(proc, "step=3/", 120, lines), "".join(lines)
-    os.killpg(proc.pid, signal.SIGTERM)
-    code, rest, _ = finish(proc, 90)
-    assert "stopped at step" in "".join(lines) + rest
-    stopped = max(losses(out))
-    assert 3 <= stopped < max(ref)
-    r = ok(run(2, base_args(target, data, out, **args)))
-    assert f"RESUMING from step {stopped}" in r.stdout
-    got = losses(out)
-    assert sorted(got) == sorted(ref)
-    for s in ref:
-        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), f"step {s}: {got[s]} != {ref[s]}"
+    stop_at_step_3_then_resume(2, base_args(target, data, out, **args), out, ref)
     # and the same folder refuses to continue as another arch
     r = run(2, base_args(target, data, out, **{**args, "DRAFTER_ARCH": "dflash", "EPOCHS": 3}))
     assert r.returncode != 0 and "DRAFTER_ARCH: the checkpoint trained a dflash2 drafter" in r.stdout + r.stderr

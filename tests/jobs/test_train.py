@@ -4,7 +4,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import (MASK_ID, REPO, base_args, env, finish, losses, make_dataset, make_target, metrics, ok, padded,
-                  run, start, wait_for, free_port)
+from runs import (MASK_ID, REPO, base_args, env, losses, make_dataset, make_target, metrics, ok, padded, run,
+                  stop_at_step_3_then_resume, free_port)
 
 
 def packed_target_features(target_dir, lengths, input_ids):
@@ -72,26 +71,11 @@ def test_sigterm_then_resume_matches_uninterrupted(assets, tmp_path):
     target, data = assets
     args = dict(EPOCHS=3, LR=5e-3)
     ok(run(3, base_args(target, data, tmp_path / "ref", **args)))
-    ref = losses(tmp_path / "ref")
     out = tmp_path / "cut"
-    proc = start(3, base_args(target, data, out, **args))
-    lines = []
-    assert wait_for(proc, "step=3/", 120, lines), "".join(lines)
-    os.killpg(proc.pid, signal.SIGTERM)              # what Ctrl-C / a scheduler's preemption does
-    code, rest, _ = finish(proc, 90)
-    log = "".join(lines) + rest
+    code, log = stop_at_step_3_then_resume(3, base_args(target, data, out, **args), out, losses(tmp_path / "ref"))
     # torchrun itself reports the signal it got (non-zero); the workers save and leave cleanly
     assert code is not None and "stopped at step" in log and "resume with RESUME=auto" in log, log
     assert "ABORT" not in log and "thread:" not in log, log
-    cut = losses(out)
-    stopped = max(cut)
-    assert 3 <= stopped < max(ref)
-    r = ok(run(3, base_args(target, data, out, **args)))
-    assert f"RESUMING from step {stopped}" in r.stdout
-    got = losses(out)
-    assert sorted(got) == sorted(ref)
-    for s in ref:
-        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), f"step {s}: {got[s]} != {ref[s]}"
 
 
 @pytest.mark.job
