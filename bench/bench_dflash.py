@@ -151,14 +151,13 @@ def build_drafter(dcfg, device, seed=0):
     """The drafter of dcfg's arch (model.drafters.ARCHS: the row whose config class dcfg is, so a DrafterConfig
     builds a DFlash Drafter, a DFlash2Config a DFlash2Drafter) in fp32 (the master weights), initialised on
     `device` like Drafter._init_weights; a DFlash2 drafter's convolutions and selector then at their own init
-    (identity convolutions, zero transition: reset_dflash2), as the trainer's drafter starts."""
+    (identity convolutions, zero transition: reset_own_parameters), as the trainer's drafter starts."""
     arch = next(a for a in ARCHS.values() if type(dcfg) is a.config)
     with torch.device("meta"):
         d = arch.drafter(dcfg)
     d.to_empty(device=device)
     _init_random_(d, seed)
-    if hasattr(d, "reset_dflash2"):
-        d.reset_dflash2()
+    d.reset_own_parameters()
     return d
 
 

@@ -71,7 +71,6 @@ Where the rest of the tree meets it (model/drafters.py's ARCHS row "dflash2", DR
   for the Qwen3 drafters, and not implemented here (from_serving refuses a config that sets them): a target that
   needs them needs them in training too.
 """
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -103,12 +102,6 @@ class DFlash2Config(DrafterConfig):
     @property
     def conv_groups(self) -> int:
         return self.hidden_size // self.conv_group_size
-
-    @classmethod
-    def from_drafter(cls, cfg: DrafterConfig, **dflash2) -> "DFlash2Config":
-        """A DFlash config plus the DFlash2 fields (conv_kernel_size=, conv_group_size=, selector_rank=,
-        selector_top_k=; the defaults are the published checkpoints')."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig)}, **dflash2)
 
     @classmethod
     def from_serving(cls, c: dict) -> "DFlash2Config":
@@ -241,9 +234,9 @@ class DFlash2Drafter(Drafter):
         super().__init__(cfg)
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
-        self.reset_dflash2()   # after Drafter's init of every Linear: the identity convolutions
+        self.reset_own_parameters()   # after Drafter's init of every Linear: the identity convolutions
 
-    def reset_dflash2(self):
+    def reset_own_parameters(self):
         """The DFlash2 parameters at their init: identity convolutions, zero transition."""
         for layer in self.layers:
             layer.attention_conv.reset_parameters()
@@ -304,7 +297,7 @@ def warm_start(drafter: DFlash2Drafter, dflash_state: dict, assign: bool = False
         for m in [c for layer in drafter.layers for c in (layer.attention_conv, layer.mlp_conv)] \
                 + [drafter.candidate_selector]:
             m.to_empty(device=like.device).to(like.dtype)
-    drafter.reset_dflash2()
+    drafter.reset_own_parameters()
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Parameter names are the serving-format keys (layers.{i}.self_attn.q_proj.weight,
 norm.weight) so export is a plain state_dict save and z-lab's DFlashDraftModel / SGLang / vLLM load it as is.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -76,6 +76,12 @@ class DrafterConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @classmethod
+    def from_drafter(cls, cfg: "DrafterConfig", **own) -> "DrafterConfig":
+        """This config class from a DFlash one: cfg's DrafterConfig fields, plus the class's own (a variant's knobs,
+        e.g. DFlash2Config's conv_kernel_size=)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(DrafterConfig)}, **own)
 
     @classmethod
     def from_serving(cls, c: dict) -> "DrafterConfig":
@@ -320,6 +326,10 @@ class Drafter(nn.Module):
 
     # What the trainer asks of a drafter, so that a variant answers for its own modules: the optimizer's parameter
     # chunks (trainer/optim.py) and the units FSDP2 shards (trainer/phases.py: shard_drafter).
+    def reset_own_parameters(self):
+        """A variant's own parameters at their init, after every Linear's (a meta build initialised by hand calls
+        it too, bench/bench_dflash.py); DFlash has none."""
+
     def param_chunks(self) -> list[list[nn.Parameter]]:
         """The parameters in the order the forward first reads them: [fc, hidden_norm], each layer, [norm]."""
         return [list(self.fc.parameters()) + list(self.hidden_norm.parameters()),

@@ -3,7 +3,6 @@ classes, its knobs and their checks, its training loss and the status line's fig
 export and loader) instead of naming a variant. What a drafter does itself (param_chunks, shard_units,
 draft_tokens, memory_terms) is a method of its class. The trainer hands the row its settings `c` (duck-typed: the
 constants as attributes, c.NAME); nothing here imports the trainer."""
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -125,13 +124,12 @@ def arch_of(drafter) -> Arch:
 
 
 def make_config(arch: str, dcfg: DrafterConfig, c):
-    """The arch's config from the DFlash one: dcfg itself for an arch without knobs, else its config class with
-    dcfg's fields and each knob's value from the settings c (Arch.knobs)."""
+    """The arch's config from the DFlash one: dcfg itself for an arch without knobs, else its config class's
+    from_drafter with each knob's value from the settings c (Arch.knobs)."""
     a = ARCHS[arch]
     if type(dcfg) is a.config and not a.knobs:
         return dcfg
-    return a.config(**{f.name: getattr(dcfg, f.name) for f in dataclasses.fields(DrafterConfig)},
-                    **{name: getattr(c, setting) for setting, name in a.knobs.items()})
+    return a.config.from_drafter(dcfg, **{name: getattr(c, setting) for setting, name in a.knobs.items()})
 
 
 def export_arch(path) -> str:
