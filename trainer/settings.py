@@ -25,6 +25,7 @@ DEFAULT_EVAL_PROMPTS = REPO / "data" / "default" / "eval_broad.jsonl"   # EVAL_P
 
 RANGE_TAG = re.compile(r"^\[(>=|>) (-?[0-9.e+-]+)\] ")   # a constant's comment opening with its allowed range
 UPPER_TAG = re.compile(r"\[(<=|<) (-?[0-9.e+-]+)\] ")    # ... and its upper bound, right after it
+CHOICE_WORD = re.compile(r"[a-z][a-z0-9_]*")                # one value of an allowed-values list, a | b | c
 
 
 
@@ -103,14 +104,18 @@ def constant_lines(source: Path):
             yield "more", line.strip().lstrip("#").strip()
 
 
+def _bound(text: str) -> float | int:
+    """A range tag's number as written: 1 an int, 0.5 or 1e-3 a float."""
+    return float(text) if "." in text or "e" in text else int(text)
+
+
 def ranges_of(source: Path) -> dict[str, tuple[float, bool]]:
     """{NAME: (bound, strict)} for every constant of `source` whose comment opens with its range: [>= N] (value >= N)
     or [> N] (value > N, strict). check_config enforces them, with finiteness for floats."""
     out = {}
     for kind, *rest in constant_lines(source):
         if kind == "constant" and (m := RANGE_TAG.match(rest[2])):
-            out[rest[0]] = (float(m.group(2)) if "." in m.group(2) or "e" in m.group(2) else int(m.group(2)),
-                            m.group(1) == ">")
+            out[rest[0]] = (_bound(m.group(2)), m.group(1) == ">")
     return out
 
 
@@ -137,8 +142,7 @@ def upper_bounds_of(source: Path) -> dict[str, tuple[float, bool]]:
     out = {}
     for name, comment in comments_of(source).items():
         if (lo := RANGE_TAG.match(comment)) and (m := UPPER_TAG.match(comment, lo.end())):
-            out[name] = (float(m.group(2)) if "." in m.group(2) or "e" in m.group(2) else int(m.group(2)),
-                         m.group(1) == "<")
+            out[name] = (_bound(m.group(2)), m.group(1) == "<")
     return out
 
 
@@ -148,7 +152,7 @@ def _closed_list(text: str) -> tuple[str, ...] | None:
     than two, prose (`share | of it`), or a value that is not a word (RESUME's `auto | scratch | <checkpoint path>`,
     an open list)."""
     options, i = [], 0
-    while (m := re.compile(r"[a-z][a-z0-9_]*").match(text, i)):
+    while (m := CHOICE_WORD.match(text, i)):
         options.append(m.group())
         i = m.end()
         if text.startswith(" (", i):   # skip its balanced parenthetical
